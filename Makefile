@@ -1,0 +1,28 @@
+# The two commands of README.md: `make serve` and `make test`. Both install what is missing.
+VENV := .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE ?= 1
+export VLLM_NO_USAGE_STATS ?= 1
+
+.PHONY: install serve test check-protos gen bench
+
+install:
+	./scripts/install.sh
+
+serve: install
+	$(BIN)/enginectl serve $(ARGS)
+
+gen: install
+	$(BIN)/python scripts/gen_protos.py
+
+# Lint, breaking-change check, generated-code check, then the whole suite.
+check-protos: install
+	$(BIN)/buf lint
+	$(BIN)/buf breaking --against proto-baseline/enginectl-v1.json
+	$(BIN)/python scripts/gen_protos.py --check
+
+test: install check-protos
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python -m bench $(ARGS)

@@ -1,0 +1,221 @@
+"""Typed clients for an enginectl server: `AsyncClient` (asyncio) and `Client` (blocking).
+
+Channel options, bearer token, TLS, timeouts and retries live here, in one place; callers
+get `WeightVersion` values and `EnginectlError` exceptions carrying the server's reason,
+never raw stubs or protobuf. Imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from enginectl.client.errors import from_rpc_error
+from enginectl.client.types import WeightVersion
+from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
+from enginectl.weights.v1 import weight_version_service_pb2_grpc as wv_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_TIMEOUT_S = 30.0
+
+# Transparent retries of transport failures (UNAVAILABLE) for unary calls. Safe for
+# SetWeightVersion because the client always sends a request_id (idempotent on the server).
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "enginectl.weights.v1.WeightVersionService"}],
+        "retryPolicy": {
+            "maxAttempts": 4,
+            "initialBackoff": "0.1s",
+            "maxBackoff": "1s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }],
+})
+
+
+@dataclass(frozen=True)
+class ChannelConfig:
+    """How to reach a server. `tls=True` uses the system roots unless `root_certificates`."""
+
+    target: str = DEFAULT_TARGET
+    token: str | None = None
+    tls: bool = False
+    root_certificates: bytes | None = None
+    client_certificate: bytes | None = None
+    client_key: bytes | None = None
+    timeout: float = DEFAULT_TIMEOUT_S
+    options: Sequence[tuple[str, Any]] = ()
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.service_config", _SERVICE_CONFIG),
+            ("grpc.enable_retries", 1),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.keepalive_time_ms", 30_000),
+            *self.options,
+        ]
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.tls:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.root_certificates,
+            private_key=self.client_key,
+            certificate_chain=self.client_certificate,
+        )
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+def _set_request(version: str, etag: str | None, request_id: str | None) -> wv_pb2.SetWeightVersionRequest:
+    return wv_pb2.SetWeightVersionRequest(
+        version=version, etag=etag or "", request_id=request_id or str(uuid.uuid4())
+    )
+
+
+def _watch_request(since_revision: int | None) -> wv_pb2.WatchWeightVersionRequest:
+    request = wv_pb2.WatchWeightVersionRequest()
+    if since_revision is not None:
+        request.since_revision = since_revision
+    return request
+
+
+class AsyncClient:
+    """asyncio client. Use as `async with AsyncClient("host:port") as c: ...`."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, **config: Any) -> None:
+        self.config = ChannelConfig(target=target, **config)
+        creds = self.config.credentials()
+        options = self.config.channel_options()
+        self._channel = (
+            grpc.aio.secure_channel(target, creds, options=options)
+            if creds is not None
+            else grpc.aio.insecure_channel(target, options=options)
+        )
+        self._versions = wv_grpc.WeightVersionServiceStub(self._channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return await method(
+                request, timeout=timeout or self.config.timeout, metadata=self.config.metadata()
+            )
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def get_weight_version(self, *, timeout: float | None = None) -> WeightVersion:
+        """The WeightVersion resource (no engine round trip on the server)."""
+        response = await self._unary(
+            self._versions.GetWeightVersion, wv_pb2.GetWeightVersionRequest(), timeout
+        )
+        return WeightVersion.from_proto(response.weight_version)
+
+    async def set_weight_version(
+        self,
+        version: str,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> WeightVersion:
+        """Declare `version` for the weights in memory (declare-only; nothing is paused).
+
+        With `etag`, applies only if it is still current (else AbortedError ETAG_MISMATCH).
+        A `request_id` (a UUID; one is generated when omitted) makes retries idempotent.
+        """
+        response = await self._unary(
+            self._versions.SetWeightVersion, _set_request(version, etag, request_id), timeout
+        )
+        return WeightVersion.from_proto(response.weight_version)
+
+    async def watch_weight_version(
+        self, *, since_revision: int | None = None
+    ) -> AsyncIterator[WeightVersion]:
+        """Yield the current state (or every state after `since_revision`), then each change."""
+        call = self._versions.WatchWeightVersion(
+            _watch_request(since_revision), metadata=self.config.metadata()
+        )
+        try:
+            async for response in call:
+                yield WeightVersion.from_proto(response.weight_version)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+
+class Client:
+    """Blocking client with the same methods as AsyncClient. Use as a context manager."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, **config: Any) -> None:
+        self.config = ChannelConfig(target=target, **config)
+        creds = self.config.credentials()
+        options = self.config.channel_options()
+        self._channel = (
+            grpc.secure_channel(target, creds, options=options)
+            if creds is not None
+            else grpc.insecure_channel(target, options=options)
+        )
+        self._versions = wv_grpc.WeightVersionServiceStub(self._channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return method(request, timeout=timeout or self.config.timeout, metadata=self.config.metadata())
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def get_weight_version(self, *, timeout: float | None = None) -> WeightVersion:
+        """See AsyncClient.get_weight_version."""
+        response = self._unary(self._versions.GetWeightVersion, wv_pb2.GetWeightVersionRequest(), timeout)
+        return WeightVersion.from_proto(response.weight_version)
+
+    def set_weight_version(
+        self,
+        version: str,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> WeightVersion:
+        """See AsyncClient.set_weight_version."""
+        response = self._unary(
+            self._versions.SetWeightVersion, _set_request(version, etag, request_id), timeout
+        )
+        return WeightVersion.from_proto(response.weight_version)
+
+    def watch_weight_version(self, *, since_revision: int | None = None) -> Iterator[WeightVersion]:
+        """See AsyncClient.watch_weight_version. Close the iterator to end the stream."""
+        call = self._versions.WatchWeightVersion(
+            _watch_request(since_revision), metadata=self.config.metadata()
+        )
+        try:
+            for response in call:
+                yield WeightVersion.from_proto(response.weight_version)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()

@@ -1,0 +1,76 @@
+"""Plain Python views of enginectl resources, so callers never handle raw protobuf."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from enginectl.weights.v1 import weight_version_pb2
+
+
+class WeightSource(str, enum.Enum):
+    """How the version in effect was declared."""
+
+    UNSPECIFIED = "UNSPECIFIED"
+    DECLARED = "DECLARED"
+    DISK = "DISK"
+    DISTRIBUTED = "DISTRIBUTED"
+    TENSORS = "TENSORS"
+
+
+@dataclass(frozen=True)
+class UpdateFailure:
+    """Why the last weight update failed after it began writing."""
+
+    reason: str
+    message: str
+    time: datetime | None
+    attempted_version: str
+    operation: str
+
+
+@dataclass(frozen=True)
+class WeightVersion:
+    """The weight version an engine serves (DESIGN §4).
+
+    `version` is None exactly when `declared` is False: never a placeholder string.
+    """
+
+    declared: bool
+    version: str | None
+    revision: int
+    incarnation: str
+    etag: str
+    source: WeightSource
+    declare_time: datetime | None
+    last_failure: UpdateFailure | None
+
+    @classmethod
+    def from_proto(cls, msg: weight_version_pb2.WeightVersion) -> WeightVersion:
+        failure = None
+        if msg.HasField("last_failure"):
+            f = msg.last_failure
+            failure = UpdateFailure(
+                reason=f.reason,
+                message=f.message,
+                time=_time(f, "time"),
+                attempted_version=f.attempted_version,
+                operation=f.operation,
+            )
+        return cls(
+            declared=msg.declared,
+            version=msg.version if msg.HasField("version") else None,
+            revision=msg.revision,
+            incarnation=msg.incarnation,
+            etag=msg.etag,
+            source=WeightSource(weight_version_pb2.WeightSource.Name(msg.source).removeprefix("WEIGHT_SOURCE_")),
+            declare_time=_time(msg, "declare_time"),
+            last_failure=failure,
+        )
+
+
+def _time(msg: object, field: str) -> datetime | None:
+    if not msg.HasField(field):  # type: ignore[attr-defined]
+        return None
+    return getattr(msg, field).ToDatetime(tzinfo=timezone.utc)

@@ -1,0 +1,141 @@
+"""EngineAdapter: the one module that talks to vLLM's AsyncLLM.
+
+Runs in the `enginectl serve` process. Everything that must hold on every data-parallel rank
+goes through `call_all`, one call per EngineCore, one result per rank (vLLM's plain
+`call_utility_async` answers for the first engine only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+from argparse import Namespace
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import psutil
+import structlog
+
+from enginectl.server.errors import ControlPlaneError, Reason
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = structlog.get_logger("enginectl.engine")
+
+
+class EngineAdapter:
+    """Wraps one AsyncLLM (all its DP ranks) for the control plane."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self._llm = llm
+
+    @classmethod
+    def start(cls, args: Namespace) -> EngineAdapter:
+        """Build the engine from vLLM CLI arguments (as `vllm serve` would)."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        usage = UsageContext.OPENAI_API_SERVER
+        vllm_config = engine_args.create_engine_config(usage_context=usage)
+        llm = AsyncLLM.from_vllm_config(
+            vllm_config=vllm_config,
+            usage_context=usage,
+            enable_log_requests=engine_args.enable_log_requests,
+            aggregate_engine_logging=engine_args.aggregate_engine_logging,
+            disable_log_stats=engine_args.disable_log_stats,
+        )
+        return cls(llm)
+
+    @property
+    def client(self) -> AsyncLLM:
+        """The AsyncLLM itself, for vLLM's HTTP server to share."""
+        return self._llm
+
+    @property
+    def dp_size(self) -> int:
+        return int(self._llm.vllm_config.parallel_config.data_parallel_size)
+
+    @property
+    def model(self) -> str:
+        return str(self._llm.model_config.model)
+
+    @property
+    def errored(self) -> bool:
+        return bool(self._llm.errored)
+
+    async def call_all(self, method: str, *args: Any) -> list[Any]:
+        """Call an EngineCore utility on every DP rank; one result per rank, in rank order."""
+        if self._llm.errored:
+            raise _engine_dead("the engine has died")
+        try:
+            return list(await self._llm.engine_core.call_utility_all_async(method, *args))
+        except (asyncio.CancelledError, ControlPlaneError):
+            raise
+        except Exception as exc:
+            raise _engine_dead(f"{method} failed on the engine: {exc}") from exc
+
+    async def set_weight_version(self, version: str) -> None:
+        """Stamp generated outputs with `version` on every rank (RequestOutput.weight_versions)."""
+        await self.call_all("set_weight_version", version)
+
+    async def get_weight_versions(self) -> list[str]:
+        """The version each rank stamps on its outputs, in rank order."""
+        return [str(v) for v in await self.call_all("get_weight_version")]
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop the engine, then make sure no child process outlives us.
+
+        Blocking; run it off the event loop. vLLM's own process kill can take longer than its
+        timeout on a loaded 2-core machine, so we reap what is left ourselves.
+        """
+        try:
+            self._llm.shutdown(timeout=timeout)
+        except Exception:  # keep going: the children must still be reaped
+            log.exception("engine shutdown raised")
+        reap_children(timeout)
+
+
+def reap_children(timeout: float) -> None:
+    """Join every child process; terminate, then kill, whatever is still alive."""
+    for child in multiprocessing.active_children():
+        child.join(timeout)
+    _stop_resource_tracker()
+    me = psutil.Process(os.getpid())
+    children = me.children(recursive=True)
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    for child in alive:
+        log.warning("killing child process that ignored SIGTERM", pid=child.pid)
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout)
+    for child in multiprocessing.active_children():  # collect exit codes, no zombies
+        child.join(0)
+
+
+def _stop_resource_tracker() -> None:
+    """multiprocessing's resource tracker ignores SIGTERM and only exits when its pipe closes;
+    close it now (it then unlinks anything leaked) instead of leaving it behind."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    stop = getattr(tracker, "_stop", None)
+    if stop is not None and getattr(tracker, "_pid", None) is not None:
+        try:
+            stop()
+        except (OSError, ChildProcessError):
+            pass
+
+
+def _engine_dead(message: str) -> ControlPlaneError:
+    return ControlPlaneError(grpc.StatusCode.UNAVAILABLE, Reason.ENGINE_DEAD, message)

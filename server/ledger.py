@@ -1,0 +1,250 @@
+"""WeightVersionLedger: the one writer of the declared weight version.
+
+Runs in the `enginectl serve` process, on its event loop. Pure Python: no gRPC server, no
+vLLM; the engine is reached only through the `publish` callback given at construction.
+
+Rules (DESIGN §4):
+- Nothing is declared at start: `declared=False`, no version, revision 0. Any non-empty
+  UTF-8 string of at most 256 bytes is a version, "initial" and "default" included.
+- Every write is serialised by one lock, in arrival order; a weight update holds the same
+  lock while it loads, so a declaration that arrives meanwhile applies after it.
+- A stale etag is refused (ABORTED, ETAG_MISMATCH); a retried request_id returns the first
+  answer without declaring again.
+- Watchers see the current state, then every change, in order, each once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import secrets
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+
+import grpc
+
+from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
+
+MAX_VERSION_BYTES = 256
+
+
+class WeightSource(enum.Enum):
+    """How the version in effect was declared (mirrors the proto enum)."""
+
+    UNSPECIFIED = "UNSPECIFIED"
+    DECLARED = "DECLARED"
+    DISK = "DISK"
+    DISTRIBUTED = "DISTRIBUTED"
+    TENSORS = "TENSORS"
+
+
+@dataclass(frozen=True)
+class VersionState:
+    """One immutable state of the WeightVersion resource."""
+
+    declared: bool
+    version: str | None
+    revision: int
+    incarnation: str
+    etag: str
+    source: WeightSource
+    declare_time: float | None
+    # Internal: counts every change (declarations and, later, failures); drives etag & watch.
+    change: int
+
+
+class LedgerClosed(Exception):
+    """The ledger was closed (server shutting down); watchers must end."""
+
+
+# Publishes a declared version to the engine (vLLM's update_weight_version on every rank).
+Publisher = Callable[[str], Awaitable[None]]
+
+
+class WeightVersionLedger:
+    """Holds the WeightVersion resource and serialises every write to it."""
+
+    def __init__(
+        self,
+        *,
+        publish: Publisher | None = None,
+        incarnation: str | None = None,
+        clock: Callable[[], float] = time.time,
+        history_limit: int = 1024,
+        request_id_limit: int = 10_000,
+    ) -> None:
+        self._publish = publish
+        self._clock = clock
+        self._incarnation = incarnation or secrets.token_hex(8)
+        self._state = VersionState(
+            declared=False,
+            version=None,
+            revision=0,
+            incarnation=self._incarnation,
+            etag=self._etag(0),
+            source=WeightSource.UNSPECIFIED,
+            declare_time=None,
+            change=0,
+        )
+        self._history: deque[VersionState] = deque([self._state], maxlen=history_limit)
+        self._write_lock = asyncio.Lock()
+        # request_id -> ((version, etag), answer); oldest evicted first.
+        self._answers: OrderedDict[str, tuple[tuple[str, str], VersionState]] = OrderedDict()
+        self._request_id_limit = request_id_limit
+        self._changed = asyncio.Event()
+        self._closed = False
+
+    @property
+    def state(self) -> VersionState:
+        """The current state. Reading never waits for a writer."""
+        return self._state
+
+    @property
+    def incarnation(self) -> str:
+        return self._incarnation
+
+    async def declare(
+        self,
+        version: str,
+        *,
+        etag: str = "",
+        request_id: str = "",
+        source: WeightSource = WeightSource.DECLARED,
+    ) -> VersionState:
+        """Declare `version` for the weights in memory; returns the resulting state.
+
+        Raises ControlPlaneError (state unchanged) for a missing or oversize version, a
+        malformed or reused request_id, or a stale etag.
+        """
+        _validate_version(version)
+        _validate_request_id(request_id)
+        async with self._write_lock:
+            if request_id:
+                previous = self._answers.get(request_id)
+                if previous is not None:
+                    if previous[0] != (version, etag):
+                        raise invalid_field(
+                            Reason.REQUEST_ID_REUSED,
+                            "request_id",
+                            "already used by a different request",
+                        )
+                    return previous[1]
+            if etag and etag != self._state.etag:
+                raise ControlPlaneError(
+                    grpc.StatusCode.ABORTED,
+                    Reason.ETAG_MISMATCH,
+                    "etag is not current (stale, or from another incarnation); re-read and retry",
+                    metadata={
+                        "current_revision": str(self._state.revision),
+                        "incarnation": self._incarnation,
+                    },
+                )
+            if self._publish is not None:
+                await self._publish(version)
+            state = self._commit(
+                declared=True,
+                version=version,
+                revision=self._state.revision + 1,
+                source=source,
+                declare_time=self._clock(),
+            )
+            if request_id:
+                self._answers[request_id] = ((version, etag), state)
+                while len(self._answers) > self._request_id_limit:
+                    self._answers.popitem(last=False)
+            return state
+
+    def _commit(self, **changes: object) -> VersionState:
+        change = self._state.change + 1
+        self._state = replace(self._state, change=change, etag=self._etag(change), **changes)  # type: ignore[arg-type]
+        self._history.append(self._state)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        return self._state
+
+    def _etag(self, change: int) -> str:
+        return hashlib.sha256(f"{self._incarnation}/{change}".encode()).hexdigest()[:20]
+
+    async def watch(self, since_revision: int | None = None) -> AsyncIterator[VersionState]:
+        """Yield the current state (or every state after `since_revision`), then each change.
+
+        Raises ControlPlaneError OUT_OF_RANGE when `since_revision` is older than the history
+        kept or ahead of the current revision, and LedgerClosed when the ledger closes.
+        """
+        if since_revision is None:
+            last_change = self._state.change - 1
+        else:
+            last_change = self._resume_point(since_revision)
+        while True:
+            changed = self._changed
+            if self._closed:
+                raise LedgerClosed()
+            pending = [s for s in self._history if s.change > last_change]
+            if pending and pending[0].change != last_change + 1:
+                raise ControlPlaneError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    Reason.REVISION_COMPACTED,
+                    "this watcher fell behind the history kept; re-read the current state",
+                    metadata={"oldest_revision": str(self._history[0].revision)},
+                )
+            for state in pending:
+                yield state
+                last_change = state.change
+            if not pending:
+                await changed.wait()
+
+    def _resume_point(self, since_revision: int) -> int:
+        """The change counter after which a watch from `since_revision` starts."""
+        if since_revision > self._state.revision:
+            raise ControlPlaneError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                Reason.REVISION_IN_FUTURE,
+                f"since_revision {since_revision} is ahead of the current revision "
+                f"{self._state.revision} (an earlier incarnation?)",
+                metadata={
+                    "current_revision": str(self._state.revision),
+                    "incarnation": self._incarnation,
+                },
+            )
+        oldest = self._history[0]
+        if since_revision < oldest.revision:
+            raise ControlPlaneError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                Reason.REVISION_COMPACTED,
+                f"revision {since_revision} is older than the history kept",
+                metadata={"oldest_revision": str(oldest.revision)},
+            )
+        # Replay every state recorded after the last one at `since_revision`.
+        return max((s.change for s in self._history if s.revision <= since_revision), default=oldest.change)
+
+    def close(self) -> None:
+        """End every watcher with LedgerClosed (server shutdown)."""
+        self._closed = True
+        self._changed.set()
+
+
+def _validate_version(version: str) -> None:
+    if not version:
+        raise invalid_field(Reason.VERSION_REQUIRED, "version", "required, a non-empty string")
+    size = len(version.encode("utf-8"))
+    if size > MAX_VERSION_BYTES:
+        raise invalid_field(
+            Reason.VERSION_TOO_LONG,
+            "version",
+            f"{size} bytes of UTF-8; at most {MAX_VERSION_BYTES} allowed",
+        )
+
+
+def _validate_request_id(request_id: str) -> None:
+    if not request_id:
+        return
+    try:
+        uuid.UUID(request_id)
+    except ValueError:
+        raise invalid_field(
+            Reason.REQUEST_ID_INVALID, "request_id", "must be a UUID, e.g. from uuid4()"
+        ) from None

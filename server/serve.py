@@ -1,0 +1,241 @@
+"""`enginectl serve`: one process with AsyncLLM, vLLM's HTTP API and the gRPC control plane.
+
+Runs in the `enginectl serve` process (the API process of vLLM). vLLM's own engine and HTTP
+flags pass through unchanged; with no model it serves the embedded default tiny Llama.
+
+Shutdown on SIGTERM/SIGINT, in order: gRPC health flips to NOT_SERVING, watch streams end
+with UNAVAILABLE, the gRPC server stops, the HTTP server stops, the engine stops, and every
+child process is reaped. Exit code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("enginectl.serve")
+
+DEFAULT_GRPC_PORT = 50051
+TOKEN_ENV = "ENGINECTL_TOKEN"
+# vLLM flags that suit the embedded tiny model on any machine; explicit flags still win.
+DEFAULT_MODEL_FLAGS = (
+    "--dtype", "float32",
+    "--max-model-len", "256",
+    "--kv-cache-memory-bytes", str(64 * 1024 * 1024),
+    "--max-num-seqs", "8",
+    "--seed", "0",
+    "--enforce-eager",
+)
+STOP_GRACE_S = 5.0
+REAP_TIMEOUT_S = 15.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """vLLM's `serve` parser, plus the control plane's flags."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(
+        prog="enginectl serve",
+        description="Serve a vLLM engine with its OpenAI-compatible HTTP API and the enginectl "
+        "gRPC control plane, in one process. Every vLLM engine flag is accepted.",
+    ))
+    # vLLM's --grpc-port belongs to its Rust frontend, which enginectl does not start; the
+    # flag is ours here, and is cleared before vLLM validates its arguments.
+    for action in parser._actions:
+        if "--grpc-port" in action.option_strings:
+            action.default = DEFAULT_GRPC_PORT
+            action.help = f"Port of the enginectl gRPC control plane (default {DEFAULT_GRPC_PORT}; 0 picks a free one)."
+    parser.set_defaults(host="127.0.0.1", model=None)
+    group = parser.add_argument_group("enginectl")
+    group.add_argument("--http-port", dest="port", type=int, default=argparse.SUPPRESS,
+                       help="Port of vLLM's HTTP API (alias of --port; default 8000; 0 picks a free one).")
+    group.add_argument("--grpc-host", default="127.0.0.1",
+                       help="Address the gRPC control plane binds (default 127.0.0.1).")
+    group.add_argument("--token-file", type=Path, default=None,
+                       help=f"File holding the bearer token required by mutating RPCs (or set ${TOKEN_ENV}).")
+    group.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve gRPC over TLS.")
+    group.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert.")
+    group.add_argument("--tls-client-ca", type=Path, default=None,
+                       help="PEM CA bundle: require client certificates signed by it (mTLS).")
+    group.add_argument("--insecure", action="store_true",
+                       help="Allow a non-loopback gRPC address with neither token nor TLS.")
+    group.add_argument("--log-json", action="store_true", help="Log enginectl events as JSON lines.")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag:
+        args.model = args.model_tag
+    if args.model is None:
+        from enginectl.server.default_model import ensure_default_model
+
+        model = ensure_default_model()
+        args = parser.parse_args(["--model", str(model), *DEFAULT_MODEL_FLAGS, *argv])
+    return args
+
+
+def configure_logging(json_lines: bool) -> None:
+    renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        cache_logger_on_first_use=True,
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_token(args: argparse.Namespace) -> str | None:
+    if args.token_file is not None:
+        token = args.token_file.read_text().strip()
+        if not token:
+            raise SystemExit(f"enginectl serve: {args.token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def load_tls(args: argparse.Namespace):  # -> TlsConfig | None
+    from enginectl.server.grpc_server import TlsConfig
+
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            raise SystemExit("enginectl serve: --tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise SystemExit("enginectl serve: --tls-cert and --tls-key go together")
+    return TlsConfig(
+        cert_chain=args.tls_cert.read_bytes(),
+        private_key=args.tls_key.read_bytes(),
+        client_ca=args.tls_client_ca.read_bytes() if args.tls_client_ca else None,
+    )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run until SIGTERM/SIGINT (or the engine dies); returns the exit code."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+    import vllm.envs as envs
+
+    from enginectl.server.engine import EngineAdapter
+    from enginectl.server.grpc_server import ControlPlaneServer
+    from enginectl.server.ledger import WeightVersionLedger
+
+    grpc_port, args.grpc_port = args.grpc_port, None  # see build_parser
+    token, tls = load_token(args), load_tls(args)
+    if not _is_loopback(args.grpc_host) and token is None and tls is None and not args.insecure:
+        raise SystemExit(
+            f"enginectl serve: refusing to serve gRPC on non-loopback {args.grpc_host} with neither "
+            f"a token (--token-file / ${TOKEN_ENV}) nor TLS (--tls-cert); pass --insecure to override"
+        )
+    validate_parsed_serve_args(args)
+
+    _, sock = setup_server(args, reuse_port=False)  # binds the HTTP port before the engine starts
+    http_port = sock.getsockname()[1]
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    engine = await asyncio.to_thread(EngineAdapter.start, args)
+    exit_code = 0
+    try:
+        ledger = WeightVersionLedger(publish=engine.set_weight_version)
+        plane = ControlPlaneServer(ledger, token=token, tls=tls)
+        bound = await plane.start(args.grpc_host, grpc_port)
+        if bound == 0:
+            raise SystemExit(f"enginectl serve: could not bind gRPC to {args.grpc_host}:{grpc_port}")
+
+        client = engine.client
+        log_config = get_uvicorn_log_config(args)
+        app = build_app(args, await client.get_supported_tasks(), client.model_config)
+        await init_app_state(client, app.state, args, await client.get_supported_tasks())
+        uvicorn_kwargs = {"log_config": log_config} if log_config is not None else {}
+        http = asyncio.create_task(serve_http(
+            app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh,
+            host=args.host, port=http_port, log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+            ssl_ciphers=args.ssl_ciphers,
+            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+            h11_max_header_count=args.h11_max_header_count,
+            **uvicorn_kwargs,
+        ))
+        # serve_http installs its own SIGTERM/SIGINT handlers (engine first, then HTTP) before
+        # its first await; take them back so the control plane goes NOT_SERVING first.
+        await asyncio.sleep(0)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await plane.set_serving(True)
+        log.info("serving", grpc_host=args.grpc_host, grpc_port=bound, http_host=args.host,
+                 http_port=http_port, model=engine.model, dp_size=engine.dp_size,
+                 incarnation=ledger.incarnation, auth=token is not None, tls=tls is not None,
+                 pid=os.getpid())
+
+        stopping = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({stopping, http}, return_when=asyncio.FIRST_COMPLETED)
+        if http in done:  # the HTTP server ended by itself: the engine died
+            log.error("http server stopped; shutting down", engine_errored=engine.errored)
+            exit_code = 1
+        stopping.cancel()
+        log.info("shutting down")
+        await plane.stop(STOP_GRACE_S)
+        if not http.done():
+            app.state.server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(http), STOP_GRACE_S)
+            except asyncio.TimeoutError:
+                http.cancel()
+        if http.done() and not http.cancelled():
+            result = http.exception() or http.result()
+            if inspect.iscoroutine(result):  # serve_http hands back a no-op shutdown coroutine
+                await result
+    finally:
+        await asyncio.to_thread(engine.shutdown, float(REAP_TIMEOUT_S))
+        sock.close()
+    log.info("stopped", exit_code=exit_code)
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `enginectl serve`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    cli_env_setup()
+    args = parse_args(argv)
+    configure_logging(args.log_json)
+    import uvloop
+
+    return uvloop.run(serve(args))
