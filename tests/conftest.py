@@ -1,0 +1,39 @@
+"""Shared fixtures: real `enginectl serve` subprocesses on the embedded tiny model.
+
+One server for the whole session (`server`) keeps the suite fast; tests that need a fresh
+incarnation or a particular flag start their own with `ServeProcess`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from serving import ServeProcess
+
+
+@pytest.fixture(scope="session")
+def serve_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment for servers: offline, no usage stats, a per-session model cache."""
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        ENGINECTL_CACHE_DIR=str(tmp_path_factory.mktemp("enginectl-cache")),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("ENGINECTL_TOKEN", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def server(serve_env: dict[str, str]) -> Iterator[ServeProcess]:
+    """The session's shared server: no token; vLLM's --enable-scale-out passes through so
+    /inference/v1/generate reports RequestOutput.weight_versions."""
+    srv = ServeProcess(["--enable-scale-out"], serve_env).start().wait_ready()
+    yield srv
+    try:
+        srv.terminate()
+    finally:
+        srv.kill()

@@ -1,0 +1,177 @@
+"""Black box: `enginectl serve` as a subprocess, driven with the real grpcurl binary.
+
+This server is started with a bearer token, so it also shows that mutating RPCs need it and
+reads, health and reflection do not. Tests run in file order: the first sees a fresh
+incarnation, the last sends SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from serving import BIN, ServeProcess, alive
+
+TOKEN = "s3cret-token-for-tests"
+SERVICES = {
+    "enginectl.weights.v1.WeightVersionService",
+    "enginectl.weights.v1.WeightUpdateService",
+    "enginectl.fpm.v1.FpmIdentityService",
+    "enginectl.fpm.v1.ForwardPassMetricsService",
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1alpha.ServerReflection",
+}
+WV = "enginectl.weights.v1.WeightVersionService"
+SIGTERM_EXIT_BOUND_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def blackbox(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    token_file = tmp_path_factory.mktemp("token") / "token"
+    token_file.write_text(TOKEN + "\n")
+    srv = ServeProcess(["--token-file", str(token_file)], serve_env).start().wait_ready()
+    yield srv
+    srv.kill()
+
+
+def grpcurl(target: str, *args: str, data: dict | None = None, token: str | None = None,
+            flags: tuple[str, ...] = (), timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    cmd = [str(BIN / "grpcurl"), "-plaintext", "-max-time", str(int(timeout)), *flags]
+    if token:
+        cmd += ["-H", f"authorization: Bearer {token}"]
+    if data is not None:
+        cmd += ["-d", json.dumps(data)]
+    cmd += [target, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30)
+
+
+def grpcurl_json(target: str, *args: str, **kwargs: object) -> dict:
+    result = grpcurl(target, *args, **kwargs)  # type: ignore[arg-type]
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_fresh_server_is_undeclared_then_placeholders_are_real_versions(blackbox: ServeProcess) -> None:
+    target = blackbox.grpc_target
+    fresh = grpcurl_json(target, f"{WV}/GetWeightVersion", flags=("-emit-defaults",))["weight_version"]
+    assert fresh["declared"] is False
+    assert "version" not in fresh  # absent, not a placeholder string
+    assert fresh["revision"] == "0"
+    assert fresh["source"] == "WEIGHT_SOURCE_UNSPECIFIED"
+    assert fresh["incarnation"] == blackbox.serving["incarnation"]
+
+    for revision, version in enumerate(["initial", "default", "0"], start=1):
+        set_ = grpcurl_json(target, f"{WV}/SetWeightVersion", data={"version": version}, token=TOKEN)
+        got = grpcurl_json(target, f"{WV}/GetWeightVersion")
+        assert got == set_
+        wv = got["weight_version"]
+        assert (wv["declared"], wv["version"], wv["revision"]) == (True, version, str(revision))
+        assert wv["source"] == "WEIGHT_SOURCE_DECLARED"
+
+
+def test_list_and_describe_through_reflection(blackbox: ServeProcess) -> None:
+    listed = grpcurl(blackbox.grpc_target, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert set(listed.stdout.split()) == SERVICES
+    described = grpcurl(blackbox.grpc_target, "describe", WV)
+    assert described.returncode == 0, described.stderr
+    for rpc in ("GetWeightVersion", "SetWeightVersion", "WatchWeightVersion", "VerifyWeights"):
+        assert f"rpc {rpc}" in described.stdout
+    message = grpcurl(blackbox.grpc_target, "describe", "enginectl.weights.v1.WeightVersion")
+    assert message.returncode == 0, message.stderr
+    for field in ("declared", "version", "revision", "incarnation", "etag", "source", "declare_time"):
+        assert f" {field} = " in message.stdout
+
+
+def test_health_is_serving_for_server_and_each_service(blackbox: ServeProcess) -> None:
+    assert grpcurl_json(blackbox.grpc_target, "grpc.health.v1.Health/Check") == {"status": "SERVING"}
+    for service in SERVICES - {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}:
+        checked = grpcurl_json(blackbox.grpc_target, "grpc.health.v1.Health/Check", data={"service": service})
+        assert checked == {"status": "SERVING"}, service
+
+
+def test_mutating_rpc_needs_the_token_and_changes_nothing_without_it(blackbox: ServeProcess) -> None:
+    before = grpcurl_json(blackbox.grpc_target, f"{WV}/GetWeightVersion")
+    for token in (None, "wrong-token"):
+        refused = grpcurl(blackbox.grpc_target, f"{WV}/SetWeightVersion", data={"version": "sneaky"}, token=token)
+        assert refused.returncode != 0
+        assert "Code: Unauthenticated" in refused.stderr
+        assert '"reason":"UNAUTHENTICATED"' in refused.stderr.replace(" ", "")
+    assert grpcurl_json(blackbox.grpc_target, f"{WV}/GetWeightVersion") == before
+
+
+def test_bad_input_over_grpcurl_has_status_and_reason(blackbox: ServeProcess) -> None:
+    before = grpcurl_json(blackbox.grpc_target, f"{WV}/GetWeightVersion")
+    cases = [
+        ({}, "InvalidArgument", "VERSION_REQUIRED"),
+        ({"version": "x" * 257}, "InvalidArgument", "VERSION_TOO_LONG"),
+        ({"version": "v", "request_id": "nope"}, "InvalidArgument", "REQUEST_ID_INVALID"),
+        ({"version": "v", "etag": "stale"}, "Aborted", "ETAG_MISMATCH"),
+    ]
+    for data, code, reason in cases:
+        result = grpcurl(blackbox.grpc_target, f"{WV}/SetWeightVersion", data=data, token=TOKEN)
+        assert result.returncode != 0
+        assert f"Code: {code}" in result.stderr, result.stderr
+        assert f'"reason":"{reason}"' in result.stderr.replace(" ", ""), result.stderr
+    assert grpcurl_json(blackbox.grpc_target, f"{WV}/GetWeightVersion") == before
+
+
+def test_etag_from_another_incarnation_is_refused(blackbox: ServeProcess, server: ServeProcess) -> None:
+    """Two live servers: an etag minted by one never matches on the other."""
+    other = grpcurl_json(server.grpc_target, f"{WV}/GetWeightVersion", flags=("-emit-defaults",))["weight_version"]
+    mine = grpcurl_json(blackbox.grpc_target, f"{WV}/GetWeightVersion", flags=("-emit-defaults",))["weight_version"]
+    assert other["incarnation"] != mine["incarnation"]
+    result = grpcurl(blackbox.grpc_target, f"{WV}/SetWeightVersion",
+                     data={"version": "cross", "etag": other["etag"]}, token=TOKEN)
+    assert "Code: Aborted" in result.stderr
+    assert '"reason":"ETAG_MISMATCH"' in result.stderr.replace(" ", "")
+    after = grpcurl_json(blackbox.grpc_target, f"{WV}/GetWeightVersion", flags=("-emit-defaults",))["weight_version"]
+    assert after == mine
+
+
+def test_colocated_http_api_generates(blackbox: ServeProcess) -> None:
+    body = json.dumps({"model": blackbox.model, "prompt": "Hello world", "max_tokens": 8,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(f"{blackbox.http_url}/v1/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        out = json.load(response)
+    assert out["usage"]["completion_tokens"] == 8
+    assert out["choices"][0]["finish_reason"] == "length"
+    # The control plane still answers while and after the HTTP API serves.
+    assert grpcurl_json(blackbox.grpc_target, "grpc.health.v1.Health/Check") == {"status": "SERVING"}
+
+
+def test_sigterm_ends_streams_and_exits_zero_leaving_no_child(blackbox: ServeProcess) -> None:
+    children = blackbox.descendants()
+    assert children, "the engine runs in child processes"
+    watch = subprocess.Popen(
+        [str(BIN / "grpcurl"), "-plaintext", "-max-time", "120", blackbox.grpc_target, f"{WV}/WatchWeightVersion"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    health = subprocess.Popen(
+        [str(BIN / "grpcurl"), "-plaintext", "-max-time", "120", blackbox.grpc_target, "grpc.health.v1.Health/Watch"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert watch.stdout is not None and health.stdout is not None
+    assert watch.stdout.readline().startswith("{")  # the current state: the stream is live
+    assert health.stdout.readline().startswith("{")
+    started = time.monotonic()
+    code = blackbox.terminate(timeout=SIGTERM_EXIT_BOUND_S)
+    elapsed = time.monotonic() - started
+    assert code == 0, blackbox.tail()
+    assert elapsed < SIGTERM_EXIT_BOUND_S
+    _, err = watch.communicate(timeout=30)
+    assert "Code: Unavailable" in err
+    rest, _ = health.communicate(timeout=30)
+    assert '"NOT_SERVING"' in rest  # health flipped before the server went away
+    assert not alive(children), [p.pid for p in alive(children)]
+    events = [json.loads(line) for line in blackbox.lines if line.startswith('{"')]
+    names = [e.get("event") for e in events]
+    assert names.index("shutting down") < names.index("stopped")
+    assert events[names.index("stopped")]["exit_code"] == 0
