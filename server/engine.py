@@ -2,7 +2,8 @@
 
 Runs in the `enginectl serve` process. Everything that must hold on every data-parallel rank
 goes through `call_all`, one call per EngineCore, one result per rank (vLLM's plain
-`call_utility_async` answers for the first engine only).
+`call_utility_async` answers for the first engine only). The control plane calls in from its
+own loop (see control_loop.py); every call into AsyncLLM runs on the engine's loop.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import grpc
 import psutil
 import structlog
 
+from enginectl.server.control_loop import run_on
 from enginectl.server.errors import ControlPlaneError, Reason
 
 if TYPE_CHECKING:
@@ -28,12 +30,16 @@ log = structlog.get_logger("enginectl.engine")
 class EngineAdapter:
     """Wraps one AsyncLLM (all its DP ranks) for the control plane."""
 
-    def __init__(self, llm: AsyncLLM) -> None:
+    def __init__(self, llm: AsyncLLM, loop: asyncio.AbstractEventLoop) -> None:
         self._llm = llm
+        self._loop = loop  # the loop AsyncLLM and vLLM's HTTP server run on
 
     @classmethod
-    def start(cls, args: Namespace) -> EngineAdapter:
-        """Build the engine from vLLM CLI arguments (as `vllm serve` would)."""
+    def start(cls, args: Namespace, loop: asyncio.AbstractEventLoop) -> EngineAdapter:
+        """Build the engine from vLLM CLI arguments (as `vllm serve` would).
+
+        Blocking; may run off the loop (AsyncLLM starts its output handler lazily on `loop`).
+        """
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -48,7 +54,7 @@ class EngineAdapter:
             aggregate_engine_logging=engine_args.aggregate_engine_logging,
             disable_log_stats=engine_args.disable_log_stats,
         )
-        return cls(llm)
+        return cls(llm, loop)
 
     @property
     def client(self) -> AsyncLLM:
@@ -72,7 +78,7 @@ class EngineAdapter:
         if self._llm.errored:
             raise _engine_dead("the engine has died")
         try:
-            return list(await self._llm.engine_core.call_utility_all_async(method, *args))
+            return list(await run_on(self._loop, self._llm.engine_core.call_utility_all_async(method, *args)))
         except (asyncio.CancelledError, ControlPlaneError):
             raise
         except Exception as exc:

@@ -136,6 +136,18 @@ def load_tls(args: argparse.Namespace):  # -> TlsConfig | None
     )
 
 
+async def _start_plane(engine, token, tls, host: str, port: int):  # -> (ControlPlaneServer, int)
+    """Build and start the gRPC server; runs on the control loop, which then owns it."""
+    from enginectl.server.grpc_server import ControlPlaneServer
+    from enginectl.server.ledger import WeightVersionLedger
+
+    plane = ControlPlaneServer(WeightVersionLedger(publish=engine.set_weight_version), token=token, tls=tls)
+    bound = await plane.start(host, port)
+    if bound == 0:
+        raise SystemExit(f"enginectl serve: could not bind gRPC to {host}:{port}")
+    return plane, bound
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT (or the engine dies); returns the exit code."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -145,9 +157,8 @@ async def serve(args: argparse.Namespace) -> int:
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
     import vllm.envs as envs
 
+    from enginectl.server.control_loop import ControlLoop
     from enginectl.server.engine import EngineAdapter
-    from enginectl.server.grpc_server import ControlPlaneServer
-    from enginectl.server.ledger import WeightVersionLedger
 
     grpc_port, args.grpc_port = args.grpc_port, None  # see build_parser
     token, tls = load_token(args), load_tls(args)
@@ -165,14 +176,12 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    engine = await asyncio.to_thread(EngineAdapter.start, args)
+    engine = await asyncio.to_thread(EngineAdapter.start, args, loop)
+    control = ControlLoop().start()
     exit_code = 0
     try:
-        ledger = WeightVersionLedger(publish=engine.set_weight_version)
-        plane = ControlPlaneServer(ledger, token=token, tls=tls)
-        bound = await plane.start(args.grpc_host, grpc_port)
-        if bound == 0:
-            raise SystemExit(f"enginectl serve: could not bind gRPC to {args.grpc_host}:{grpc_port}")
+        plane, bound = await control.run(_start_plane(engine, token, tls, args.grpc_host, grpc_port))
+        ledger = plane.ledger
 
         client = engine.client
         log_config = get_uvicorn_log_config(args)
@@ -196,7 +205,7 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.sleep(0)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await plane.set_serving(True)
+        await control.run(plane.set_serving(True))
         log.info("serving", grpc_host=args.grpc_host, grpc_port=bound, http_host=args.host,
                  http_port=http_port, model=engine.model, dp_size=engine.dp_size,
                  incarnation=ledger.incarnation, auth=token is not None, tls=tls is not None,
@@ -209,7 +218,7 @@ async def serve(args: argparse.Namespace) -> int:
             exit_code = 1
         stopping.cancel()
         log.info("shutting down")
-        await plane.stop(STOP_GRACE_S)
+        await control.run(plane.stop(STOP_GRACE_S))
         if not http.done():
             app.state.server.should_exit = True
             try:
@@ -222,6 +231,7 @@ async def serve(args: argparse.Namespace) -> int:
                 await result
     finally:
         await asyncio.to_thread(engine.shutdown, float(REAP_TIMEOUT_S))
+        control.stop()
         sock.close()
     log.info("stopped", exit_code=exit_code)
     return exit_code
