@@ -12,6 +12,7 @@ import asyncio
 import multiprocessing
 import os
 from argparse import Namespace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -27,12 +28,44 @@ if TYPE_CHECKING:
 log = structlog.get_logger("enginectl.engine")
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine is, fixed at start (safe to read from any thread)."""
+
+    model: str
+    served_model_names: tuple[str, ...]
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    quantization: str
+    data_parallel_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    vllm_version: str
+
+    @property
+    def num_workers(self) -> int:
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 class EngineAdapter:
     """Wraps one AsyncLLM (all its DP ranks) for the control plane."""
 
     def __init__(self, llm: AsyncLLM, loop: asyncio.AbstractEventLoop) -> None:
+        from vllm import __version__ as vllm_version
+
         self._llm = llm
         self._loop = loop  # the loop AsyncLLM and vLLM's HTTP server run on
+        model, parallel = llm.model_config, llm.vllm_config.parallel_config
+        served = model.served_model_name
+        self.info = EngineInfo(
+            model=str(model.model),
+            served_model_names=tuple(served) if isinstance(served, (list, tuple)) else (str(served),),
+            dtype=str(model.dtype).removeprefix("torch."),
+            quantization=str(model.quantization or ""),
+            data_parallel_size=int(parallel.data_parallel_size),
+            tensor_parallel_size=int(parallel.tensor_parallel_size),
+            pipeline_parallel_size=int(parallel.pipeline_parallel_size),
+            vllm_version=str(vllm_version),
+        )
 
     @classmethod
     def start(cls, args: Namespace, loop: asyncio.AbstractEventLoop) -> EngineAdapter:
@@ -60,14 +93,6 @@ class EngineAdapter:
     def client(self) -> AsyncLLM:
         """The AsyncLLM itself, for vLLM's HTTP server to share."""
         return self._llm
-
-    @property
-    def dp_size(self) -> int:
-        return int(self._llm.vllm_config.parallel_config.data_parallel_size)
-
-    @property
-    def model(self) -> str:
-        return str(self._llm.model_config.model)
 
     @property
     def errored(self) -> bool:

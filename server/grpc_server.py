@@ -6,9 +6,8 @@ AsyncLLM they share.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -24,7 +23,8 @@ from enginectl.fpm.v1 import (
 )
 from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.interceptors import BearerTokenInterceptor, RpcLogInterceptor
-from enginectl.server.ledger import WeightVersionLedger
+from enginectl.server.ledger import MAX_VERSION_BYTES, WeightVersionLedger
+from enginectl.server.weight_update_service import WeightUpdateServicer
 from enginectl.server.weight_version_service import WeightVersionServicer
 from enginectl.weights.v1 import (
     weight_update_service_pb2,
@@ -32,6 +32,9 @@ from enginectl.weights.v1 import (
     weight_version_service_pb2,
     weight_version_service_pb2_grpc,
 )
+
+if TYPE_CHECKING:
+    from enginectl.server.engine import EngineInfo
 
 log = structlog.get_logger("enginectl.server")
 
@@ -55,8 +58,14 @@ class TlsConfig:
         )
 
 
-def _unimplemented_servicer(base: type, service: _descriptor.ServiceDescriptor, arrives: str) -> Any:
-    """An instance of `base` whose every RPC answers UNIMPLEMENTED with a clear message."""
+def _with_unimplemented(
+    impl: type, generated: type, service: _descriptor.ServiceDescriptor, arrives: str
+) -> tuple[type, list[str]]:
+    """`impl` (a subclass of the `generated` servicer, or that class itself) completed so
+    every RPC it does not override answers UNIMPLEMENTED with a clear message.
+
+    Returns the class and the full names ("pkg.Service/Method") of the RPCs `impl` defines.
+    """
 
     def make(name: str, streaming: bool) -> Any:
         def error() -> ControlPlaneError:
@@ -79,8 +88,13 @@ def _unimplemented_servicer(base: type, service: _descriptor.ServiceDescriptor, 
 
         return unary
 
-    methods = {m.name: make(m.name, m.server_streaming) for m in service.methods}
-    return type(f"Unimplemented{service.name}", (base,), methods)()
+    implemented = [
+        m.name for m in service.methods if getattr(impl, m.name) is not getattr(generated, m.name)
+    ]
+    missing = {
+        m.name: make(m.name, m.server_streaming) for m in service.methods if m.name not in implemented
+    }
+    return type(impl.__name__, (impl,), missing), [f"{service.full_name}/{m}" for m in implemented]
 
 
 class ControlPlaneServer:
@@ -90,6 +104,7 @@ class ControlPlaneServer:
         self,
         ledger: WeightVersionLedger,
         *,
+        engine_info: EngineInfo | None = None,
         token: str | None = None,
         tls: TlsConfig | None = None,
     ) -> None:
@@ -112,43 +127,66 @@ class ControlPlaneServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
 
-        weight_version_service_pb2_grpc.add_WeightVersionServiceServicer_to_server(
-            WeightVersionServicer(ledger), self._server
-        )
-        services = {
-            "WeightVersionService": weight_version_service_pb2.DESCRIPTOR.services_by_name[
-                "WeightVersionService"
-            ]
-        }
-        pending: Sequence[tuple[Any, Any, Any, str]] = (
-            (
-                weight_update_service_pb2,
-                weight_update_service_pb2_grpc,
-                "WeightUpdateService",
-                "weight updates arrive in a later release",
-            ),
-            (
-                fpm_identity_service_pb2,
-                fpm_identity_service_pb2_grpc,
-                "FpmIdentityService",
-                "worker identity arrives with forward-pass metrics",
-            ),
-            (
-                forward_pass_metrics_service_pb2,
-                forward_pass_metrics_service_pb2_grpc,
-                "ForwardPassMetricsService",
-                "forward-pass metrics arrive in a later release",
-            ),
-        )
-        for pb2, pb2_grpc, name, arrives in pending:
+        # (pb2, pb2_grpc, service, servicer class or None, what its missing RPCs wait for)
+        services: list[tuple[Any, Any, str, Any, str]] = [
+            (weight_version_service_pb2, weight_version_service_pb2_grpc, "WeightVersionService",
+             WeightVersionServicer, "VerifyWeights arrives with weight updates"),
+            (weight_update_service_pb2, weight_update_service_pb2_grpc, "WeightUpdateService",
+             WeightUpdateServicer, "weight updates arrive in a later release"),
+            (fpm_identity_service_pb2, fpm_identity_service_pb2_grpc, "FpmIdentityService",
+             None, "worker identity arrives with forward-pass metrics"),
+            (forward_pass_metrics_service_pb2, forward_pass_metrics_service_pb2_grpc,
+             "ForwardPassMetricsService", None, "forward-pass metrics arrive in a later release"),
+        ]
+        self.service_names: list[str] = []
+        self.supported_rpcs: list[str] = []
+        completed = []
+        for pb2, pb2_grpc, name, impl, arrives in services:
             descriptor = pb2.DESCRIPTOR.services_by_name[name]
-            servicer = _unimplemented_servicer(getattr(pb2_grpc, f"{name}Servicer"), descriptor, arrives)
-            getattr(pb2_grpc, f"add_{name}Servicer_to_server")(servicer, self._server)
-            services[name] = descriptor
-        self.service_names = [d.full_name for d in services.values()]
+            generated = getattr(pb2_grpc, f"{name}Servicer")
+            cls, implemented = _with_unimplemented(impl or generated, generated, descriptor, arrives)
+            completed.append((getattr(pb2_grpc, f"add_{name}Servicer_to_server"), cls))
+            self.service_names.append(descriptor.full_name)
+            self.supported_rpcs.extend(implemented)
+        arguments: dict[type, tuple[Any, ...]] = {
+            WeightVersionServicer: (ledger,),
+            WeightUpdateServicer: (self._server_info(engine_info, token is not None),),
+        }
+        for add, cls in completed:
+            base = cls.__mro__[1]
+            add(cls(*arguments.get(base, ())), self._server)
         reflection.enable_server_reflection(
             (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
+
+    def _server_info(self, engine: EngineInfo | None, auth: bool) -> weight_update_service_pb2.GetServerInfoResponse:
+        """The GetServerInfo answer: fixed for the life of this server."""
+        import enginectl
+
+        info = weight_update_service_pb2.GetServerInfoResponse(
+            auth_required=auth,
+            enginectl_version=enginectl.__version__,
+            api_versions=sorted({name.rsplit(".", 1)[0] for name in self.service_names}),
+            supported_rpcs=self.supported_rpcs,
+            incarnation=self.ledger.incarnation,
+            # Only the bounds enforced today; the update limits arrive with the updates.
+            limits=weight_update_service_pb2.ServerLimits(
+                max_version_bytes=MAX_VERSION_BYTES, max_request_bytes=MAX_MESSAGE_BYTES
+            ),
+        )
+        if engine is not None:
+            info.model = engine.model
+            info.served_model_names.extend(engine.served_model_names)
+            dtype = f"TENSOR_DTYPE_{engine.dtype.upper()}"
+            if dtype in weight_update_service_pb2.TensorDtype.keys():
+                info.dtype = weight_update_service_pb2.TensorDtype.Value(dtype)
+            info.quantization = engine.quantization
+            info.data_parallel_size = engine.data_parallel_size
+            info.tensor_parallel_size = engine.tensor_parallel_size
+            info.pipeline_parallel_size = engine.pipeline_parallel_size
+            info.num_workers = engine.num_workers
+            info.vllm_version = engine.vllm_version
+        return info
 
     async def start(self, host: str, port: int) -> int:
         """Bind and start serving; returns the bound port (useful with port 0)."""

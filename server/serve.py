@@ -141,7 +141,8 @@ async def _start_plane(engine, token, tls, host: str, port: int):  # -> (Control
     from enginectl.server.grpc_server import ControlPlaneServer
     from enginectl.server.ledger import WeightVersionLedger
 
-    plane = ControlPlaneServer(WeightVersionLedger(publish=engine.set_weight_version), token=token, tls=tls)
+    ledger = WeightVersionLedger(publish=engine.set_weight_version)
+    plane = ControlPlaneServer(ledger, engine_info=engine.info, token=token, tls=tls)
     bound = await plane.start(host, port)
     if bound == 0:
         raise SystemExit(f"enginectl serve: could not bind gRPC to {host}:{port}")
@@ -207,7 +208,7 @@ async def serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await control.run(plane.set_serving(True))
         log.info("serving", grpc_host=args.grpc_host, grpc_port=bound, http_host=args.host,
-                 http_port=http_port, model=engine.model, dp_size=engine.dp_size,
+                 http_port=http_port, model=engine.info.model, dp_size=engine.info.data_parallel_size,
                  incarnation=ledger.incarnation, auth=token is not None, tls=tls is not None,
                  pid=os.getpid())
 

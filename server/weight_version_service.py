@@ -68,12 +68,3 @@ class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
             raise ControlPlaneError(
                 grpc.StatusCode.UNAVAILABLE, Reason.SHUTTING_DOWN, "server is shutting down"
             ) from None
-
-    async def VerifyWeights(
-        self, request: pb2.VerifyWeightsRequest, context: grpc.aio.ServicerContext
-    ) -> pb2.VerifyWeightsResponse:
-        raise ControlPlaneError(
-            grpc.StatusCode.UNIMPLEMENTED,
-            Reason.NOT_IMPLEMENTED,
-            "VerifyWeights is not implemented in this release (it arrives with weight updates)",
-        )

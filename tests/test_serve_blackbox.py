@@ -134,6 +134,13 @@ def test_etag_from_another_incarnation_is_refused(blackbox: ServeProcess, server
     assert after == mine
 
 
+def test_server_info_over_grpcurl_says_auth_is_required(blackbox: ServeProcess) -> None:
+    info = grpcurl_json(blackbox.grpc_target, "enginectl.weights.v1.WeightUpdateService/GetServerInfo")
+    assert info["auth_required"] is True
+    assert info["model"] == blackbox.model
+    assert f"{WV}/SetWeightVersion" in info["supported_rpcs"]
+
+
 def test_colocated_http_api_generates(blackbox: ServeProcess) -> None:
     body = json.dumps({"model": blackbox.model, "prompt": "Hello world", "max_tokens": 8,
                        "temperature": 0}).encode()

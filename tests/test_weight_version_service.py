@@ -195,8 +195,8 @@ async def test_unimplemented_services_answer_clearly(server: ServeProcess) -> No
 
     async with grpc.aio.insecure_channel(server.grpc_target) as channel:
         calls = [
-            weight_update_service_pb2_grpc.WeightUpdateServiceStub(channel).GetServerInfo(
-                weight_update_service_pb2.GetServerInfoRequest()
+            weight_update_service_pb2_grpc.WeightUpdateServiceStub(channel).GetGenerationState(
+                weight_update_service_pb2.GetGenerationStateRequest()
             ),
             fpm_identity_service_pb2_grpc.FpmIdentityServiceStub(channel).GetWorkerIdentity(
                 fpm_identity_service_pb2.GetWorkerIdentityRequest()
@@ -207,3 +207,24 @@ async def test_unimplemented_services_answer_clearly(server: ServeProcess) -> No
                 await call
             assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
             assert "not implemented in this release" in (err.value.details() or "")
+
+
+async def test_server_info_describes_engine_and_supported_rpcs(server: ServeProcess) -> None:
+    from enginectl.weights.v1 import weight_update_service_pb2, weight_update_service_pb2_grpc
+
+    async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+        stub = weight_update_service_pb2_grpc.WeightUpdateServiceStub(channel)
+        info = await stub.GetServerInfo(weight_update_service_pb2.GetServerInfoRequest())
+    assert info.model == server.model
+    assert info.dtype == weight_update_service_pb2.TENSOR_DTYPE_FLOAT32
+    assert (info.data_parallel_size, info.tensor_parallel_size, info.num_workers) == (1, 1, 1)
+    assert info.vllm_version.startswith("0.32")
+    assert info.auth_required is False
+    assert info.incarnation == server.serving["incarnation"]
+    assert set(info.api_versions) == {"enginectl.weights.v1", "enginectl.fpm.v1"}
+    wv = "enginectl.weights.v1.WeightVersionService"
+    assert set(info.supported_rpcs) == {
+        f"{wv}/GetWeightVersion", f"{wv}/SetWeightVersion", f"{wv}/WatchWeightVersion",
+        "enginectl.weights.v1.WeightUpdateService/GetServerInfo",
+    }
+    assert info.limits.max_version_bytes == 256
