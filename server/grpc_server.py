@@ -107,10 +107,11 @@ class ControlPlaneServer:
         engine_info: EngineInfo | None = None,
         token: str | None = None,
         tls: TlsConfig | None = None,
+        log_reads: bool = False,
     ) -> None:
         self.ledger = ledger
         self._tls = tls
-        interceptors: list[grpc.aio.ServerInterceptor] = [RpcLogInterceptor()]
+        interceptors: list[grpc.aio.ServerInterceptor] = [RpcLogInterceptor(log_reads=log_reads)]
         if token:
             interceptors.insert(0, BearerTokenInterceptor(token))
         self._server = grpc.aio.server(

@@ -2,7 +2,7 @@
 
 Runs in the `enginectl serve` process. `RpcLogInterceptor` wraps every handler once: it
 times the call, turns a ControlPlaneError into a google.rpc.Status (ErrorInfo + BadRequest)
-and logs rpc, request id, status code and duration. `BearerTokenInterceptor` refuses
+and logs rpc, request id, status code and duration (successful reads only on request). `BearerTokenInterceptor` refuses
 mutating RPCs without the configured token; reads, health and reflection stay open.
 """
 
@@ -64,36 +64,64 @@ def _behavior(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
     )
 
 
+def _status_name(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
+    code = context.code()
+    if isinstance(code, int):  # some grpc versions report the raw integer
+        code = next((c for c in grpc.StatusCode if c.value[0] == code), None)
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(error, asyncio.CancelledError):
+        return "CANCELLED"
+    return "OK" if error is None else "UNKNOWN"
+
+
+def _request_id(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_HEADER and isinstance(value, str):
+            return value
+    return uuid.uuid4().hex[:16]
+
+
 class RpcLogInterceptor(grpc.aio.ServerInterceptor):
-    """Logs every RPC and maps ControlPlaneError to a rich status."""
+    """Maps ControlPlaneError to a rich status and logs RPCs.
+
+    Logged: every mutating RPC, and every RPC that fails (rpc, request id, code, duration).
+    Successful reads (Get*, Watch*, health, reflection, ...) are logged only with
+    `log_reads`: pollers would otherwise flood the log, and the log line is most of the cost
+    of a GetWeightVersion (bench/). Each method's handler is wrapped once and cached.
+    """
+
+    def __init__(self, *, log_reads: bool = False) -> None:
+        self._log_reads = log_reads
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
         method = handler_call_details.method
-        request_id = _metadata(handler_call_details).get(REQUEST_ID_HEADER) or uuid.uuid4().hex[:16]
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:
+            handler = await continuation(handler_call_details)
+            if handler is None:
+                return handler
+            wrapped = self._wrapped[method] = self._wrap(method, handler)
+        return wrapped
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         behavior = _behavior(handler)
+        log_success = self._log_reads or not is_read_only(method)
 
         def done(context: grpc.aio.ServicerContext, start: float, error: BaseException | None) -> None:
-            code = context.code() if hasattr(context, "code") else None
-            if isinstance(code, int):  # some grpc versions return the raw integer
-                code = next((c for c in grpc.StatusCode if c.value[0] == code), None)
-            name = code.name if isinstance(code, grpc.StatusCode) else "OK"
-            if error is not None and name == "OK":
-                name = "CANCELLED" if isinstance(error, asyncio.CancelledError) else "UNKNOWN"
-            fields = {"rpc": method, "request_id": request_id, "code": name,
-                      "duration_ms": round((time.perf_counter() - start) * 1e3, 3)}
-            if method.startswith(OPEN_SERVICES):  # probes and tooling: keep them out of the way
-                log.debug("rpc", **fields)
-            elif name in ("OK", "CANCELLED"):
-                log.info("rpc", **fields)
-            else:
-                log.warning("rpc", **fields)
+            name = _status_name(context, error)
+            ok = name in ("OK", "CANCELLED")
+            if ok and not log_success:
+                return
+            (log.info if ok else log.warning)(
+                "rpc", rpc=method, request_id=_request_id(context), code=name,
+                duration_ms=round((time.perf_counter() - start) * 1e3, 3),
+            )
 
         if inspect.isasyncgenfunction(behavior):
 

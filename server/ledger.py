@@ -16,7 +16,6 @@ Rules (DESIGN §4):
 from __future__ import annotations
 
 import asyncio
-import enum
 import hashlib
 import secrets
 import time
@@ -27,19 +26,10 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from enginectl.client.types import WeightSource
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 
 MAX_VERSION_BYTES = 256
-
-
-class WeightSource(enum.Enum):
-    """How the version in effect was declared (mirrors the proto enum)."""
-
-    UNSPECIFIED = "UNSPECIFIED"
-    DECLARED = "DECLARED"
-    DISK = "DISK"
-    DISTRIBUTED = "DISTRIBUTED"
-    TENSORS = "TENSORS"
 
 
 @dataclass(frozen=True)

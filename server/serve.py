@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--insecure", action="store_true",
                        help="Allow a non-loopback gRPC address with neither token nor TLS.")
     group.add_argument("--log-json", action="store_true", help="Log enginectl events as JSON lines.")
+    group.add_argument("--log-rpc-reads", action="store_true",
+                       help="Also log successful read RPCs (Get*, Watch*, health); mutations and "
+                       "failures are always logged.")
     return parser
 
 
@@ -136,13 +139,13 @@ def load_tls(args: argparse.Namespace):  # -> TlsConfig | None
     )
 
 
-async def _start_plane(engine, token, tls, host: str, port: int):  # -> (ControlPlaneServer, int)
+async def _start_plane(engine, token, tls, host: str, port: int, log_reads: bool):  # -> (ControlPlaneServer, int)
     """Build and start the gRPC server; runs on the control loop, which then owns it."""
     from enginectl.server.grpc_server import ControlPlaneServer
     from enginectl.server.ledger import WeightVersionLedger
 
     ledger = WeightVersionLedger(publish=engine.set_weight_version)
-    plane = ControlPlaneServer(ledger, engine_info=engine.info, token=token, tls=tls)
+    plane = ControlPlaneServer(ledger, engine_info=engine.info, token=token, tls=tls, log_reads=log_reads)
     bound = await plane.start(host, port)
     if bound == 0:
         raise SystemExit(f"enginectl serve: could not bind gRPC to {host}:{port}")
@@ -181,7 +184,7 @@ async def serve(args: argparse.Namespace) -> int:
     control = ControlLoop().start()
     exit_code = 0
     try:
-        plane, bound = await control.run(_start_plane(engine, token, tls, args.grpc_host, grpc_port))
+        plane, bound = await control.run(_start_plane(engine, token, tls, args.grpc_host, grpc_port, args.log_rpc_reads))
         ledger = plane.ledger
 
         client = engine.client

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ class ServeProcess:
     ready: threading.Event = field(default_factory=threading.Event)
     exited: threading.Event = field(default_factory=threading.Event)
     serving: dict[str, object] = field(default_factory=dict)
+    _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def start(self) -> ServeProcess:
         cmd = [str(BIN / "enginectl"), "serve", "--grpc-port", "0", "--http-port", "0", "--log-json", *self.args]
@@ -43,7 +45,9 @@ class ServeProcess:
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
             if line.startswith("{"):
                 try:
                     event = json.loads(line)
@@ -60,6 +64,31 @@ class ServeProcess:
             self.kill()
             pytest.fail(f"enginectl serve did not become ready:\n{self.tail()}")
         return self
+
+    def events(self) -> list[dict]:
+        """The JSON log events (enginectl's own lines) logged so far."""
+        out = []
+        for line in list(self.lines):
+            if line.startswith('{"'):
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        return out
+
+    def wait_for_event(self, match: Callable[[dict], bool], timeout: float = 30.0) -> dict:
+        """Block until a JSON log event satisfies `match` (or fail after `timeout`)."""
+        found: list[dict] = []
+
+        def seen() -> bool:
+            found[:] = [e for e in self.events() if match(e)]
+            return bool(found) or self.exited.is_set()
+
+        with self._cond:
+            self._cond.wait_for(seen, timeout)
+        if not found:
+            pytest.fail(f"no matching log event within {timeout}s:\n{self.tail()}")
+        return found[0]
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.lines[-n:])

@@ -134,6 +134,21 @@ def test_etag_from_another_incarnation_is_refused(blackbox: ServeProcess, server
     assert after == mine
 
 
+def test_mutations_and_failures_are_logged_with_request_id_code_and_duration(blackbox: ServeProcess) -> None:
+    ok = grpcurl(blackbox.grpc_target, f"{WV}/SetWeightVersion", data={"version": "logged"}, token=TOKEN,
+                 flags=("-H", "x-request-id: req-ok-1"))
+    assert ok.returncode == 0, ok.stderr
+    bad = grpcurl(blackbox.grpc_target, f"{WV}/SetWeightVersion", data={"version": ""}, token=TOKEN,
+                  flags=("-H", "x-request-id: req-bad-1"))
+    assert bad.returncode != 0
+    for request_id, code in (("req-ok-1", "OK"), ("req-bad-1", "INVALID_ARGUMENT")):
+        event = blackbox.wait_for_event(lambda e: e.get("request_id") == request_id)
+        assert event["event"] == "rpc"
+        assert event["rpc"] == f"/{WV}/SetWeightVersion"
+        assert event["code"] == code
+        assert event["duration_ms"] >= 0
+
+
 def test_server_info_over_grpcurl_says_auth_is_required(blackbox: ServeProcess) -> None:
     info = grpcurl_json(blackbox.grpc_target, "enginectl.weights.v1.WeightUpdateService/GetServerInfo")
     assert info["auth_required"] is True
@@ -178,7 +193,7 @@ def test_sigterm_ends_streams_and_exits_zero_leaving_no_child(blackbox: ServePro
     rest, _ = health.communicate(timeout=30)
     assert '"NOT_SERVING"' in rest  # health flipped before the server went away
     assert not alive(children), [p.pid for p in alive(children)]
-    events = [json.loads(line) for line in blackbox.lines if line.startswith('{"')]
+    events = blackbox.events()
     names = [e.get("event") for e in events]
     assert names.index("shutting down") < names.index("stopped")
     assert events[names.index("stopped")]["exit_code"] == 0
