@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import structlog
@@ -37,6 +38,7 @@ DEFAULT_MODEL_FLAGS = (
 )
 STOP_GRACE_S = 5.0
 REAP_TIMEOUT_S = 15.0
+HTTP_START_TIMEOUT_S = 60.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +154,17 @@ async def _start_plane(engine, token, tls, host: str, port: int, log_reads: bool
     return plane, bound
 
 
+async def _http_started(server, http: asyncio.Task, stop: asyncio.Event) -> None:
+    """Return once uvicorn accepts connections (or the HTTP task ended, or we are stopping):
+    SERVING and the `serving` log line must not come before the HTTP API is up. uvicorn only
+    exposes a `started` flag, so poll it, briefly."""
+    deadline = time.monotonic() + HTTP_START_TIMEOUT_S
+    while not server.started and not http.done() and not stop.is_set():
+        if time.monotonic() > deadline:
+            raise SystemExit("enginectl serve: vLLM's HTTP server did not start")
+        await asyncio.sleep(0.005)
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT (or the engine dies); returns the exit code."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -209,6 +222,7 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.sleep(0)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        await _http_started(app.state.server, http, stop)
         await control.run(plane.set_serving(True))
         log.info("serving", grpc_host=args.grpc_host, grpc_port=bound, http_host=args.host,
                  http_port=http_port, model=engine.info.model, dp_size=engine.info.data_parallel_size,
