@@ -1,0 +1,350 @@
+"""Load generators of the benchmark: `python -m bench.clients latency|throughput|rollouts`.
+
+Each runs in its own subprocess (never in a server's process), started by `python -m bench`,
+and reports JSON lines on stdout (`ready`, `started`, `result`, or `error`). Every loop is
+bounded in count and in time.
+
+- latency: one client per target, each on its own keep-alive connection (a blocking gRPC
+  channel, or an http.client connection); targets are measured in interleaved blocks so that
+  machine noise falls on all of them alike.
+- throughput: N concurrent clients, each with its own channel/connection (grpc.aio, or
+  aiohttp for HTTP), running for a window that starts when the parent writes `go`.
+- rollouts: S concurrent streaming /v1/completions of a fixed token count, looping until the
+  parent writes `stop` (or the time bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import http.client
+import json
+import select
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from bench.stats import summarize_ms
+
+
+def emit(event: str, **fields: object) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def _parse_target(spec: str) -> tuple[str, str, str, str]:
+    """`name=grpc:host:port` or `name=http:host:port/path` -> (name, kind, hostport, path)."""
+    name, _, rest = spec.partition("=")
+    kind, _, addr = rest.partition(":")
+    if kind not in ("grpc", "http") or not name or not addr:
+        raise SystemExit(f"bad target {spec!r}")
+    hostport, slash, path = addr.partition("/")
+    return name, kind, hostport, (slash + path) if slash else ""
+
+
+# -- latency -------------------------------------------------------------------------------
+@dataclass
+class _Probe:
+    name: str
+    kind: str
+    hostport: str
+    path: str
+    samples: list[float] = field(default_factory=list)
+    errors: int = 0
+    reconnects: int = 0
+    last_error: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind == "grpc":
+            import grpc
+
+            from enginectl.weights.v1 import weight_version_service_pb2 as pb2
+            from enginectl.weights.v1 import weight_version_service_pb2_grpc as pb2_grpc
+
+            self._channel = grpc.insecure_channel(self.hostport)
+            grpc.channel_ready_future(self._channel).result(timeout=30)
+            self._call = pb2_grpc.WeightVersionServiceStub(self._channel).GetWeightVersion
+            self._request = pb2.GetWeightVersionRequest()
+        else:
+            host, _, port = self.hostport.rpartition(":")
+            self._conn = http.client.HTTPConnection(host, int(port), timeout=30)
+
+    def once(self) -> float:
+        """One call; returns its latency in seconds (raises on failure)."""
+        if self.kind == "grpc":
+            t0 = time.perf_counter()
+            self._call(self._request, timeout=30)
+            return time.perf_counter() - t0
+        for attempt in (0, 1):
+            try:
+                t0 = time.perf_counter()
+                self._conn.request("GET", self.path)
+                resp = self._conn.getresponse()
+                resp.read()
+                dt = time.perf_counter() - t0
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                if attempt:  # the keep-alive connection was closed under us twice in a row
+                    raise
+                self.reconnects += 1
+                self._conn.close()
+                continue
+            if resp.status != 200:
+                raise RuntimeError(f"{self.path}: HTTP {resp.status}")
+            if resp.will_close:
+                self.reconnects += 1
+            return dt
+        raise AssertionError("unreachable")
+
+    def measure(self, n: int, keep: bool) -> None:
+        for _ in range(n):
+            try:
+                dt = self.once()
+            except Exception as err:  # noqa: BLE001 - counted and reported
+                self.errors += 1
+                self.last_error = repr(err)[:200]
+                if self.errors > 20:
+                    raise
+                continue
+            if keep:
+                self.samples.append(dt)
+
+    def close(self) -> None:
+        if self.kind == "grpc":
+            self._channel.close()
+        else:
+            self._conn.close()
+
+
+def cmd_latency(args: argparse.Namespace) -> None:
+    probes = [_Probe(*_parse_target(spec)) for spec in args.target]
+    for p in probes:
+        p.measure(args.warmup, keep=False)
+    gc.collect()
+    gc.disable()  # no collector pauses inside timed calls (the same for every target)
+    t0 = time.monotonic()
+    deadline = t0 + args.max_seconds
+    truncated = False
+    while any(len(p.samples) < args.samples for p in probes):
+        if time.monotonic() > deadline:
+            truncated = True
+            break
+        for p in probes:
+            left = args.samples - len(p.samples)
+            if left > 0:
+                p.measure(min(args.block, left), keep=True)
+    gc.enable()
+    elapsed = time.monotonic() - t0
+    for p in probes:
+        p.close()
+    emit("result", elapsed_s=round(elapsed, 3), truncated=truncated, targets={
+        p.name: {**summarize_ms(p.samples), "errors": p.errors, "reconnects": p.reconnects,
+                 "last_error": p.last_error}
+        for p in probes
+    })
+
+
+# -- throughput ----------------------------------------------------------------------------
+async def _throughput(args: argparse.Namespace) -> None:
+    name, kind, hostport, path = _parse_target(args.target)
+    stop = False
+    measuring = False
+    counts = [0] * args.clients
+    errors = [0] * args.clients
+    latencies: list[float] = []
+
+    if kind == "grpc":
+        import grpc
+
+        from enginectl.weights.v1 import weight_version_service_pb2 as pb2
+        from enginectl.weights.v1 import weight_version_service_pb2_grpc as pb2_grpc
+
+        # A local subchannel pool gives every client its own TCP connection.
+        channels = [grpc.aio.insecure_channel(hostport, options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(args.clients)]
+        await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in channels)), 30)
+        request = pb2.GetWeightVersionRequest()
+        calls = [pb2_grpc.WeightVersionServiceStub(c).GetWeightVersion for c in channels]
+
+        async def one(i: int) -> None:
+            await calls[i](request, timeout=30)
+
+        async def close() -> None:
+            await asyncio.gather(*(c.close() for c in channels))
+    else:
+        import aiohttp
+
+        url = f"http://{hostport}{path}"
+        sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+                    for _ in range(args.clients)]
+
+        async def one(i: int) -> None:
+            async with sessions[i].get(url) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}")
+
+        async def close() -> None:
+            await asyncio.gather(*(s.close() for s in sessions))
+
+    async def client(i: int) -> None:
+        while not stop:
+            t0 = time.perf_counter()
+            try:
+                await one(i)
+            except Exception:  # noqa: BLE001 - counted
+                errors[i] += 1
+                if errors[i] > 50:
+                    raise
+                continue
+            if measuring:
+                counts[i] += 1
+                latencies.append(time.perf_counter() - t0)
+
+    loop = asyncio.get_running_loop()
+    tasks = [asyncio.create_task(client(i)) for i in range(args.clients)]
+    try:
+        await asyncio.sleep(args.warmup_seconds)  # load runs; not a readiness wait
+        emit("ready", target=name)
+        go = await asyncio.wait_for(loop.run_in_executor(None, sys.stdin.readline), args.max_seconds)
+        if go.strip() != "go":
+            raise RuntimeError(f"expected 'go', got {go!r}")
+        gc.collect()
+        gc.disable()
+        measuring = True
+        t0 = time.perf_counter()
+        await asyncio.sleep(args.seconds)  # the measurement window
+        measuring = False
+        window = time.perf_counter() - t0
+        gc.enable()
+        stop = True
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    finally:
+        stop = True
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await close()
+    total = sum(counts)
+    emit("result", target=name, clients=args.clients, window_s=round(window, 3), requests=total,
+         rps=round(total / window, 1), errors=sum(errors), latency=summarize_ms(latencies))
+
+
+def cmd_throughput(args: argparse.Namespace) -> None:
+    asyncio.run(_throughput(args))
+
+
+# -- rollouts ------------------------------------------------------------------------------
+def cmd_rollouts(args: argparse.Namespace) -> None:
+    host, _, port = args.http.rpartition(":")
+    stop = threading.Event()
+    lock = threading.Lock()
+    first = threading.Event()
+    streams_started: set[int] = set()
+    done = {"completions": 0, "tokens": 0, "errors": 0}
+    durations: list[float] = []
+    body = json.dumps({
+        "model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens,
+        "min_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
+    })
+    t_start = time.monotonic()
+    deadline = t_start + args.max_seconds
+
+    def stream(i: int) -> None:
+        while not stop.is_set() and time.monotonic() < deadline:
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
+            t0 = time.monotonic()
+            try:
+                conn.request("POST", "/v1/completions", body=body,
+                             headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+                while not stop.is_set():
+                    line = resp.readline()
+                    if not line:
+                        break
+                    if not line.startswith(b"data: "):
+                        continue
+                    if line.startswith(b"data: [DONE]"):
+                        with lock:
+                            done["completions"] += 1
+                            durations.append(time.monotonic() - t0)
+                        break
+                    with lock:
+                        done["tokens"] += 1
+                    if i not in streams_started:
+                        with lock:
+                            streams_started.add(i)
+                            if len(streams_started) == args.streams:
+                                first.set()
+            except Exception:  # noqa: BLE001 - counted
+                if not stop.is_set():
+                    with lock:
+                        done["errors"] += 1
+                    if done["errors"] > 10:
+                        stop.set()
+            finally:
+                conn.close()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(args.streams)]
+    for t in threads:
+        t.start()
+    if not first.wait(min(120.0, args.max_seconds)):
+        stop.set()
+        emit("error", message=f"streams did not all start: {done}")
+        return
+    emit("started", streams=args.streams, after_s=round(time.monotonic() - t_start, 3))
+    t_load = time.monotonic()
+    tokens_at_start = done["tokens"]
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([sys.stdin], [], [], max(0.0, deadline - time.monotonic()))
+        if ready:
+            sys.stdin.readline()  # "stop" or EOF
+            break
+    stop.set()
+    load_s = time.monotonic() - t_load
+    tokens_in_load = done["tokens"] - tokens_at_start
+    for t in threads:
+        t.join(65)
+    durations.sort()
+    emit("result", streams=args.streams, max_tokens=args.max_tokens, load_s=round(load_s, 3),
+         completions=done["completions"], tokens=done["tokens"], errors=done["errors"],
+         tokens_per_s=round(tokens_in_load / load_s, 1) if load_s else None,
+         completion_s_p50=round(durations[len(durations) // 2], 3) if durations else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.clients")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("latency")
+    p.add_argument("--target", action="append", required=True)
+    p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--block", type=int, default=100)
+    p.add_argument("--max-seconds", type=float, default=60.0)
+    p = sub.add_parser("throughput")
+    p.add_argument("--target", required=True)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--warmup-seconds", type=float, default=1.0)
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--max-seconds", type=float, default=120.0)
+    p = sub.add_parser("rollouts")
+    p.add_argument("--http", required=True, help="host:port of vLLM's HTTP API")
+    p.add_argument("--model", required=True)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. Once upon a time")
+    p.add_argument("--max-seconds", type=float, default=180.0)
+    args = parser.parse_args(argv)
+    try:
+        {"latency": cmd_latency, "throughput": cmd_throughput, "rollouts": cmd_rollouts}[args.cmd](args)
+    except Exception as err:  # noqa: BLE001 - reported to the parent
+        emit("error", message=repr(err), traceback=traceback.format_exc()[-2000:])
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Small statistics helpers shared by the bench processes (no numpy: workers start fast)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of already sorted values."""
+    if not sorted_values:
+        return math.nan
+    if len(sorted_values) == 1:
+        return float(sorted_values[0])
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
+
+
+def summarize_ms(samples_s: Sequence[float]) -> dict[str, float]:
+    """p50/p90/p99/p99.9/mean/min/max in milliseconds of samples given in seconds."""
+    values = sorted(samples_s)
+    if not values:
+        return {"n": 0}
+    ms = 1e3
+    return {
+        "n": len(values),
+        "p50_ms": round(percentile(values, 50) * ms, 4),
+        "p90_ms": round(percentile(values, 90) * ms, 4),
+        "p99_ms": round(percentile(values, 99) * ms, 4),
+        "p999_ms": round(percentile(values, 99.9) * ms, 4),
+        "mean_ms": round(sum(values) / len(values) * ms, 4),
+        "min_ms": round(values[0] * ms, 4),
+        "max_ms": round(values[-1] * ms, 4),
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
+        return None
+    return round(a / b, 3)
