@@ -40,10 +40,50 @@ async def _abort(context: grpc.aio.ServicerContext, err: ControlPlaneError) -> N
     await context.abort(status.code, status.details, trailing_metadata=status.trailing_metadata)
 
 
-def _rebuild(handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler:
-    """A handler like `handler` but calling `behavior`."""
+class _Malformed:
+    """Stands in for a request that did not parse, so the servicer wrapper can answer
+    INVALID_ARGUMENT (gRPC itself would answer UNKNOWN for a deserializer exception)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError: bad wire format, bad UTF-8 in a string field
+            return _Malformed(exc)
+
+    return parse
+
+
+def _check(request: Any) -> Any:
+    if isinstance(request, _Malformed):
+        raise ControlPlaneError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            Reason.MALFORMED_REQUEST,
+            f"the request could not be parsed: {request.error}",
+        )
+    return request
+
+
+async def _checked_stream(requests: Any) -> Any:
+    async for request in requests:
+        yield _check(request)
+
+
+def _rebuild(
+    handler: grpc.RpcMethodHandler,
+    behavior: Callable[..., Any],
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> grpc.RpcMethodHandler:
+    """A handler like `handler` but calling `behavior` (and parsing with `request_deserializer`)."""
     kwargs = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": request_deserializer or handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
     if handler.request_streaming and handler.response_streaming:
@@ -123,12 +163,16 @@ class RpcLogInterceptor(grpc.aio.ServerInterceptor):
                 duration_ms=round((time.perf_counter() - start) * 1e3, 3),
             )
 
+        # Requests parse leniently; a malformed one becomes INVALID_ARGUMENT MALFORMED_REQUEST.
+        parse = _lenient(handler.request_deserializer)
+        check = _checked_stream if handler.request_streaming else _check
+
         if inspect.isasyncgenfunction(behavior):
 
             async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 start, error = time.perf_counter(), None
                 try:
-                    async for item in behavior(request, context):
+                    async for item in behavior(check(request), context):
                         yield item
                 except ControlPlaneError as err:
                     await _abort(context, err)
@@ -138,12 +182,12 @@ class RpcLogInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     done(context, start, error)
 
-            return _rebuild(handler, streaming)
+            return _rebuild(handler, streaming, parse)
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start, error = time.perf_counter(), None
             try:
-                result = behavior(request, context)
+                result = behavior(check(request), context)
                 if inspect.isawaitable(result):
                     result = await result
                 return result
@@ -155,7 +199,7 @@ class RpcLogInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 done(context, start, error)
 
-        return _rebuild(handler, unary)
+        return _rebuild(handler, unary, parse)
 
 
 def is_read_only(method: str) -> bool:

@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -141,6 +142,23 @@ def load_tls(args: argparse.Namespace):  # -> TlsConfig | None
     )
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before the engine's long start if the gRPC port is already taken."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise SystemExit(f"enginectl serve: gRPC port {host}:{port} is not available: {exc}") from None
+
+
+class StartupError(Exception):
+    """Serving cannot start (e.g. the gRPC port is taken); the process exits non-zero."""
+
+
 async def _start_plane(engine, token, tls, host: str, port: int, log_reads: bool):  # -> (ControlPlaneServer, int)
     """Build and start the gRPC server; runs on the control loop, which then owns it."""
     from enginectl.server.grpc_server import ControlPlaneServer
@@ -148,9 +166,12 @@ async def _start_plane(engine, token, tls, host: str, port: int, log_reads: bool
 
     ledger = WeightVersionLedger(publish=engine.set_weight_version)
     plane = ControlPlaneServer(ledger, engine_info=engine.info, token=token, tls=tls, log_reads=log_reads)
-    bound = await plane.start(host, port)
+    try:
+        bound = await plane.start(host, port)
+    except RuntimeError as exc:  # grpcio raises when the port is taken
+        raise StartupError(f"could not bind gRPC to {host}:{port}: {exc}") from None
     if bound == 0:
-        raise SystemExit(f"enginectl serve: could not bind gRPC to {host}:{port}")
+        raise StartupError(f"could not bind gRPC to {host}:{port}")
     return plane, bound
 
 
@@ -185,6 +206,7 @@ async def serve(args: argparse.Namespace) -> int:
             f"a token (--token-file / ${TOKEN_ENV}) nor TLS (--tls-cert); pass --insecure to override"
         )
     validate_parsed_serve_args(args)
+    _check_port_free(args.grpc_host, grpc_port)
 
     _, sock = setup_server(args, reuse_port=False)  # binds the HTTP port before the engine starts
     http_port = sock.getsockname()[1]
@@ -197,7 +219,12 @@ async def serve(args: argparse.Namespace) -> int:
     control = ControlLoop().start()
     exit_code = 0
     try:
-        plane, bound = await control.run(_start_plane(engine, token, tls, args.grpc_host, grpc_port, args.log_rpc_reads))
+        try:
+            plane, bound = await control.run(
+                _start_plane(engine, token, tls, args.grpc_host, grpc_port, args.log_rpc_reads)
+            )
+        except StartupError as exc:
+            raise SystemExit(f"enginectl serve: {exc}") from None
         ledger = plane.ledger
 
         client = engine.client

@@ -70,3 +70,14 @@ def test_fresh_venv_installs_the_client_only(tmp_path: Path, server: ServeProces
     assert json.loads(got.stdout)["incarnation"] == server.serving["incarnation"]
     serve = subprocess.run([str(env_dir / "bin" / "enginectl"), "serve"], capture_output=True, text=True, timeout=60)
     assert serve.returncode == 2 and "server extra" in serve.stderr
+
+
+def test_taken_grpc_port_fails_fast_before_the_engine_starts(serve_env: dict[str, str], server: ServeProcess) -> None:
+    taken = str(server.serving["grpc_port"])
+    result = subprocess.run(
+        [str(BIN / "enginectl"), "serve", "--grpc-port", taken, "--http-port", "0"],
+        env=serve_env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    assert f"gRPC port 127.0.0.1:{taken} is not available" in result.stderr + result.stdout
+    assert "EngineCore" not in result.stdout + result.stderr  # refused before any engine process

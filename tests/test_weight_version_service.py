@@ -87,6 +87,32 @@ async def test_missing_version_field_on_the_wire(server: ServeProcess) -> None:
         assert after == before
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [b"\x0a\x02\xff\xfe", b"\x0a\x05abc"],
+    ids=["version-not-utf8", "truncated"],
+)
+async def test_unparseable_request_is_invalid_argument(server: ServeProcess, raw: bytes) -> None:
+    """Bytes no client library would send; gRPC alone would answer UNKNOWN."""
+    from grpc_status import rpc_status
+
+    from enginectl.client.errors import status_details
+
+    async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+        stub = pb2_grpc.WeightVersionServiceStub(channel)
+        before = (await stub.GetWeightVersion(pb2.GetWeightVersionRequest())).weight_version
+        call = channel.unary_unary(
+            "/enginectl.weights.v1.WeightVersionService/SetWeightVersion",
+            request_serializer=lambda b: b, response_deserializer=lambda b: b,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(raw, timeout=30)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        reason, _, _ = status_details(rpc_status.from_call(err.value))
+        assert reason == Reason.MALFORMED_REQUEST
+        assert (await stub.GetWeightVersion(pb2.GetWeightVersionRequest())).weight_version == before
+
+
 async def test_stale_etag_is_aborted_and_current_etag_applies(client: AsyncClient) -> None:
     first = await client.set_weight_version("cas-1")
     second = await client.set_weight_version("cas-2", etag=first.etag)
