@@ -4,7 +4,14 @@ isort:skip_file
 WeightVersionService: read, declare, watch and verify the weight version an engine serves.
 
 Errors are google.rpc.Status with a google.rpc.ErrorInfo (domain "enginectl.dev", a stable
-`reason`) and, for bad fields, a google.rpc.BadRequest naming them.
+`reason`) and, for bad fields, a google.rpc.BadRequest naming them. On every RPC of every
+enginectl service:
+  INVALID_ARGUMENT MALFORMED_REQUEST  the request bytes do not parse as the request message.
+  UNAUTHENTICATED  UNAUTHENTICATED    a mutating RPC without the server's bearer token
+                                      (`authorization: Bearer <token>`), when it has one.
+  UNAVAILABLE      ENGINE_DEAD        the vLLM engine behind this server has died.
+  UNIMPLEMENTED    NOT_IMPLEMENTED    an RPC this release defines but does not serve yet
+                                      (GetServerInfo.supported_rpcs lists those it does).
 """
 
 from collections import abc as _abc
