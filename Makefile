@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install serve test check-protos gen bench
+.PHONY: install serve test check check-protos gen bench
 
 install:
 	./scripts/install.sh
@@ -15,13 +15,17 @@ serve: install
 gen: install
 	$(BIN)/python scripts/gen_protos.py
 
-# Lint, breaking-change check, generated-code check, then the whole suite.
+# Lint, breaking-change check, generated-code check.
 check-protos: install
 	$(BIN)/buf lint
 	$(BIN)/buf breaking --against proto-baseline/enginectl-v1.json
 	$(BIN)/python scripts/gen_protos.py --check
 
-test: install check-protos
+# Static checks: protos, generated code, types.
+check: check-protos
+	$(BIN)/mypy
+
+test: install check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: install

@@ -124,7 +124,7 @@ def error_class(code: grpc.StatusCode) -> type[EnginectlError]:
 
 def status_details(status: status_pb2.Status) -> tuple[str, dict[str, str], tuple[FieldViolation, ...]]:
     """Extract (reason, metadata, field violations) from a google.rpc.Status."""
-    reason, meta, violations = "", {}, []
+    reason, meta, violations = "", {}, []  # type: tuple[str, dict[str, str], list[FieldViolation]]
     for detail in status.details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
@@ -141,15 +141,13 @@ def from_rpc_error(err: grpc.RpcError) -> EnginectlError:
     """Translate a grpc.RpcError (sync or aio) into an EnginectlError carrying its reason."""
     from grpc_status import rpc_status
 
-    code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
-    message: str = err.details() or ""  # type: ignore[attr-defined]
-    reason, meta, violations = "", {}, ()
+    code: grpc.StatusCode = err.code()
+    message: str = err.details() or ""
     try:
-        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+        status = rpc_status.from_call(err)
     except ValueError:  # inconsistent status details: keep the plain code and message
         status = None
-    if status is not None:
-        reason, meta, violations = status_details(status)
+    reason, meta, violations = status_details(status) if status is not None else ("", {}, ())
     return error_class(code)(
         code=code, message=message, reason=reason, metadata=meta, field_violations=violations
     )

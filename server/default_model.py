@@ -319,7 +319,7 @@ def _write_model_files(out: Path, vocab_size: int) -> None:
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_RECIPE["seed"])
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
+        model = LlamaForCausalLM(config).float().eval()
     model.generation_config = GenerationConfig(
         bos_token_id=ids[bos], eos_token_id=ids[eos], pad_token_id=ids[pad]
     )

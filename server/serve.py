@@ -21,8 +21,15 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import structlog
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from enginectl.server.engine import EngineAdapter
+    from enginectl.server.grpc_server import ControlPlaneServer, TlsConfig
 
 log = structlog.get_logger("enginectl.serve")
 
@@ -126,7 +133,7 @@ def load_token(args: argparse.Namespace) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
-def load_tls(args: argparse.Namespace):  # -> TlsConfig | None
+def load_tls(args: argparse.Namespace) -> TlsConfig | None:
     from enginectl.server.grpc_server import TlsConfig
 
     if args.tls_cert is None and args.tls_key is None:
@@ -159,7 +166,9 @@ class StartupError(Exception):
     """Serving cannot start (e.g. the gRPC port is taken); the process exits non-zero."""
 
 
-async def _start_plane(engine, token, tls, host: str, port: int, log_reads: bool):  # -> (ControlPlaneServer, int)
+async def _start_plane(
+    engine: EngineAdapter, token: str | None, tls: TlsConfig | None, host: str, port: int, log_reads: bool
+) -> tuple[ControlPlaneServer, int]:
     """Build and start the gRPC server; runs on the control loop, which then owns it."""
     from enginectl.server.grpc_server import ControlPlaneServer
     from enginectl.server.ledger import WeightVersionLedger
@@ -175,7 +184,7 @@ async def _start_plane(engine, token, tls, host: str, port: int, log_reads: bool
     return plane, bound
 
 
-async def _http_started(server, http: asyncio.Task, stop: asyncio.Event) -> None:
+async def _http_started(server: uvicorn.Server, http: asyncio.Task[Any], stop: asyncio.Event) -> None:
     """Return once uvicorn accepts connections (or the HTTP task ended, or we are stopping):
     SERVING and the `serving` log line must not come before the HTTP API is up. uvicorn only
     exposes a `started` flag, so poll it, briefly."""
@@ -231,7 +240,7 @@ async def serve(args: argparse.Namespace) -> int:
         log_config = get_uvicorn_log_config(args)
         app = build_app(args, await client.get_supported_tasks(), client.model_config)
         await init_app_state(client, app.state, args, await client.get_supported_tasks())
-        uvicorn_kwargs = {"log_config": log_config} if log_config is not None else {}
+        uvicorn_kwargs: dict[str, Any] = {"log_config": log_config} if log_config is not None else {}
         http = asyncio.create_task(serve_http(
             app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh,
             host=args.host, port=http_port, log_level=args.uvicorn_log_level,
