@@ -73,6 +73,18 @@ class ChannelConfig:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
+    def aio_channel(self) -> grpc.aio.Channel:
+        creds, options = self.credentials(), self.channel_options()
+        if creds is None:
+            return grpc.aio.insecure_channel(self.target, options=options)
+        return grpc.aio.secure_channel(self.target, creds, options=options)
+
+    def channel(self) -> grpc.Channel:
+        creds, options = self.credentials(), self.channel_options()
+        if creds is None:
+            return grpc.insecure_channel(self.target, options=options)
+        return grpc.secure_channel(self.target, creds, options=options)
+
 
 def _set_request(version: str, etag: str | None, request_id: str | None) -> wv_pb2.SetWeightVersionRequest:
     return wv_pb2.SetWeightVersionRequest(
@@ -92,13 +104,7 @@ class AsyncClient:
 
     def __init__(self, target: str = DEFAULT_TARGET, **config: Any) -> None:
         self.config = ChannelConfig(target=target, **config)
-        creds = self.config.credentials()
-        options = self.config.channel_options()
-        self._channel = (
-            grpc.aio.secure_channel(target, creds, options=options)
-            if creds is not None
-            else grpc.aio.insecure_channel(target, options=options)
-        )
+        self._channel = self.config.aio_channel()
         self._versions = wv_grpc.WeightVersionServiceStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:
@@ -164,13 +170,7 @@ class Client:
 
     def __init__(self, target: str = DEFAULT_TARGET, **config: Any) -> None:
         self.config = ChannelConfig(target=target, **config)
-        creds = self.config.credentials()
-        options = self.config.channel_options()
-        self._channel = (
-            grpc.secure_channel(target, creds, options=options)
-            if creds is not None
-            else grpc.insecure_channel(target, options=options)
-        )
+        self._channel = self.config.channel()
         self._versions = wv_grpc.WeightVersionServiceStub(self._channel)
 
     def __enter__(self) -> Client:
