@@ -8,9 +8,9 @@ Variants, each adding one layer of what `enginectl serve` has:
   minimal WeightVersionServiceServicer whose GetWeightVersion returns a prebuilt response
   (the same message enginectl answers on an idle server). The baseline of DESIGN §8.
 - `bare-uvloop`: the same on uvloop (the loop `enginectl serve` runs on).
-- `intercepted-nolog`: bare-uvloop + enginectl's RpcLogInterceptor as `enginectl serve`
+- `intercepted-nolog`: bare-uvloop + enginectl's RpcInterceptor as `enginectl serve`
   runs it by default (successful reads are not logged): the interceptor's wrapping alone.
-- `intercepted`: bare-uvloop + enginectl's RpcLogInterceptor logging one JSON line per
+- `intercepted`: bare-uvloop + enginectl's RpcInterceptor logging one JSON line per
   RPC to stdout, as `enginectl serve --log-json --log-rpc-reads` does.
 - `controlplane`: enginectl's whole ControlPlaneServer (real servicer and ledger, health,
   reflection, server options, interceptor, JSON logs) on uvloop, but no vLLM in the process.
@@ -71,11 +71,11 @@ async def run(variant: str, host: str, port: int) -> int:
 
     interceptors = []
     if variant.startswith("intercepted"):
-        from enginectl.server.interceptors import RpcLogInterceptor
+        from enginectl.server.interceptors import RpcInterceptor
         from enginectl.server.serve import configure_logging
 
         configure_logging(True)
-        interceptors.append(RpcLogInterceptor(log_reads=variant == "intercepted"))
+        interceptors.append(RpcInterceptor(log_reads=variant == "intercepted"))
     server = grpc.aio.server(interceptors=interceptors or None)
     response = pb2.GetWeightVersionResponse(weight_version=weight_version_proto(ledger.state))
     pb2_grpc.add_WeightVersionServiceServicer_to_server(ConstantServicer(response), server)

@@ -22,7 +22,7 @@ from enginectl.fpm.v1 import (
     fpm_identity_service_pb2_grpc,
 )
 from enginectl.server.errors import ControlPlaneError, Reason
-from enginectl.server.interceptors import BearerTokenInterceptor, RpcLogInterceptor
+from enginectl.server.interceptors import BearerToken, RpcInterceptor
 from enginectl.server.ledger import MAX_VERSION_BYTES, WeightVersionLedger
 from enginectl.server.weight_update_service import WeightUpdateServicer
 from enginectl.server.weight_version_service import WeightVersionServicer
@@ -35,6 +35,7 @@ from enginectl.weights.v1 import (
 
 if TYPE_CHECKING:
     from enginectl.server.engine import EngineInfo
+    from enginectl.server.metrics import ControlPlaneMetrics
 
 log = structlog.get_logger("enginectl.server")
 
@@ -108,14 +109,17 @@ class ControlPlaneServer:
         token: str | None = None,
         tls: TlsConfig | None = None,
         log_reads: bool = False,
+        metrics: ControlPlaneMetrics | None = None,
     ) -> None:
         self.ledger = ledger
         self._tls = tls
-        interceptors: list[grpc.aio.ServerInterceptor] = [RpcLogInterceptor(log_reads=log_reads)]
-        if token:
-            interceptors.insert(0, BearerTokenInterceptor(token))
+        interceptor = RpcInterceptor(
+            token=BearerToken(token) if token else None,
+            log_reads=log_reads,
+            on_done=metrics.rpc_done if metrics else None,
+        )
         self._server = grpc.aio.server(
-            interceptors=interceptors,
+            interceptors=[interceptor],
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

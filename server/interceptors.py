@@ -1,9 +1,8 @@
-"""gRPC server interceptors: structured RPC logs, error translation, bearer-token auth.
+"""gRPC server interceptor: bearer-token auth, error translation, structured RPC logs.
 
-Runs in the `enginectl serve` process. `RpcLogInterceptor` wraps every handler once: it
-times the call, turns a ControlPlaneError into a google.rpc.Status (ErrorInfo + BadRequest)
-and logs rpc, request id, status code and duration (successful reads only on request). `BearerTokenInterceptor` refuses
-mutating RPCs without the configured token; reads, health and reflection stay open.
+Runs in the `enginectl serve` process. One interceptor, `RpcInterceptor`, so that every
+call (a refused one too) is checked, translated, logged and counted the same way; reads,
+health and reflection never need the token.
 """
 
 from __future__ import annotations
@@ -31,8 +30,26 @@ READ_ONLY_PREFIXES = ("Get", "List", "Watch", "Stream", "Wait", "Verify")
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
-def _metadata(details: grpc.HandlerCallDetails) -> dict[str, str]:
-    return {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
+class BearerToken:
+    """The token mutating RPCs must present as `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("empty token")
+        self._expected = f"Bearer {token}".encode()
+
+    def check(self, context: grpc.aio.ServicerContext) -> None:
+        """Raise UNAUTHENTICATED unless the call carries the token (constant-time compare)."""
+        given = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str):
+                given = value.encode()
+        if not hmac.compare_digest(given, self._expected):
+            raise ControlPlaneError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                Reason.UNAUTHENTICATED,
+                "this RPC changes state and needs 'authorization: Bearer <token>'",
+            )
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: ControlPlaneError) -> None:
@@ -122,17 +139,29 @@ def _request_id(context: grpc.aio.ServicerContext) -> str:
     return uuid.uuid4().hex[:16]
 
 
-class RpcLogInterceptor(grpc.aio.ServerInterceptor):
-    """Maps ControlPlaneError to a rich status and logs RPCs.
+class RpcInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every handler once (cached per method) to, on each call:
 
-    Logged: every mutating RPC, and every RPC that fails (rpc, request id, code, duration).
-    Successful reads (Get*, Watch*, health, reflection, ...) are logged only with
-    `log_reads`: pollers would otherwise flood the log, and the log line is most of the cost
-    of a GetWeightVersion (bench/). Each method's handler is wrapped once and cached.
+    - require the bearer token on mutating RPCs, when the server has one;
+    - answer a request that does not parse with INVALID_ARGUMENT MALFORMED_REQUEST;
+    - turn a ControlPlaneError into a google.rpc.Status (ErrorInfo + BadRequest);
+    - log it: every mutating RPC and every failure (refusals included) with rpc, request id,
+      code and duration; successful reads (Get*, Watch*, health, reflection) only with
+      `log_reads`, since pollers would flood the log and the line is most of a
+      GetWeightVersion's cost (bench/);
+    - report (rpc, code) to `on_done` (the metrics counter).
     """
 
-    def __init__(self, *, log_reads: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        token: BearerToken | None = None,
+        log_reads: bool = False,
+        on_done: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._token = token
         self._log_reads = log_reads
+        self._on_done = on_done  # (rpc, code) of every finished call, e.g. a metrics counter
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
@@ -150,11 +179,30 @@ class RpcLogInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        behavior = _behavior(handler)
-        log_success = self._log_reads or not is_read_only(method)
+        inner = _behavior(handler)
+        read_only = is_read_only(method)
+        log_success = self._log_reads or not read_only
+        on_done = self._on_done
+        token = None if read_only else self._token
+        behavior = inner
+        if token is not None:
+            if inspect.isasyncgenfunction(inner):
+
+                async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                    token.check(context)
+                    async for item in inner(request, context):
+                        yield item
+
+            else:
+
+                def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                    token.check(context)
+                    return inner(request, context)
 
         def done(context: grpc.aio.ServicerContext, start: float, error: BaseException | None) -> None:
             name = _status_name(context, error)
+            if on_done is not None:
+                on_done(method, name)
             ok = name in ("OK", "CANCELLED")
             if ok and not log_success:
                 return
@@ -208,41 +256,3 @@ def is_read_only(method: str) -> bool:
         return True
     name = method.rsplit("/", 1)[-1]
     return name.startswith(READ_ONLY_PREFIXES)
-
-
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer <token>` on every mutating RPC."""
-
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("empty token")
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or is_read_only(handler_call_details.method):
-            return handler
-        given = _metadata(handler_call_details).get("authorization", "").encode()
-        if hmac.compare_digest(given, self._expected):
-            return handler
-        err = ControlPlaneError(
-            grpc.StatusCode.UNAUTHENTICATED,
-            Reason.UNAUTHENTICATED,
-            "this RPC changes state and needs 'authorization: Bearer <token>'",
-        )
-
-        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await _abort(context, err)
-
-        if handler.response_streaming:
-
-            async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await _abort(context, err)
-                yield  # pragma: no cover - makes this an async generator
-
-            return _rebuild(handler, refuse_stream)
-        return _rebuild(handler, refuse)

@@ -172,9 +172,13 @@ async def _start_plane(
     """Build and start the gRPC server; runs on the control loop, which then owns it."""
     from enginectl.server.grpc_server import ControlPlaneServer
     from enginectl.server.ledger import WeightVersionLedger
+    from enginectl.server.metrics import ControlPlaneMetrics
 
     ledger = WeightVersionLedger(publish=engine.set_weight_version)
-    plane = ControlPlaneServer(ledger, engine_info=engine.info, token=token, tls=tls, log_reads=log_reads)
+    plane = ControlPlaneServer(
+        ledger, engine_info=engine.info, token=token, tls=tls, log_reads=log_reads,
+        metrics=ControlPlaneMetrics(ledger),
+    )
     try:
         bound = await plane.start(host, port)
     except RuntimeError as exc:  # grpcio raises when the port is taken

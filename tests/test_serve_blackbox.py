@@ -141,7 +141,11 @@ def test_mutations_and_failures_are_logged_with_request_id_code_and_duration(bla
     bad = grpcurl(blackbox.grpc_target, f"{WV}/SetWeightVersion", data={"version": ""}, token=TOKEN,
                   flags=("-H", "x-request-id: req-bad-1"))
     assert bad.returncode != 0
-    for request_id, code in (("req-ok-1", "OK"), ("req-bad-1", "INVALID_ARGUMENT")):
+    refused = grpcurl(blackbox.grpc_target, f"{WV}/SetWeightVersion", data={"version": "x"},
+                      flags=("-H", "x-request-id: req-noauth-1"))
+    assert refused.returncode != 0
+    for request_id, code in (("req-ok-1", "OK"), ("req-bad-1", "INVALID_ARGUMENT"),
+                             ("req-noauth-1", "UNAUTHENTICATED")):
         event = blackbox.wait_for_event(lambda e: e.get("request_id") == request_id)
         assert event["event"] == "rpc"
         assert event["rpc"] == f"/{WV}/SetWeightVersion"

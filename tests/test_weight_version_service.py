@@ -254,3 +254,28 @@ async def test_server_info_describes_engine_and_supported_rpcs(server: ServeProc
         "enginectl.weights.v1.WeightUpdateService/GetServerInfo",
     }
     assert info.limits.max_version_bytes == 256
+
+
+def _metrics(server: ServeProcess) -> dict[str, float]:
+    with urllib.request.urlopen(f"{server.http_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("enginectl_"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+async def test_metrics_on_vllms_metrics_endpoint(client: AsyncClient, server: ServeProcess) -> None:
+    set_ok = 'enginectl_rpcs_total{code="OK",rpc="/enginectl.weights.v1.WeightVersionService/SetWeightVersion"}'
+    set_bad = 'enginectl_rpcs_total{code="INVALID_ARGUMENT",rpc="/enginectl.weights.v1.WeightVersionService/SetWeightVersion"}'
+    before = await asyncio.to_thread(_metrics, server)
+    state = await client.set_weight_version("metrics-1")
+    with pytest.raises(InvalidArgumentError):
+        await client.set_weight_version("")
+    after = await asyncio.to_thread(_metrics, server)
+    assert after[set_ok] == before.get(set_ok, 0) + 1
+    assert after[set_bad] == before.get(set_bad, 0) + 1
+    assert after["enginectl_weight_version_revision"] == state.revision
+    assert after["enginectl_weight_version_declared"] == 1
