@@ -113,10 +113,6 @@ class EngineAdapter:
         """Stamp generated outputs with `version` on every rank (RequestOutput.weight_versions)."""
         await self.call_all("set_weight_version", version)
 
-    async def get_weight_versions(self) -> list[str]:
-        """The version each rank stamps on its outputs, in rank order."""
-        return [str(v) for v in await self.call_all("get_weight_version")]
-
     def shutdown(self, timeout: float) -> None:
         """Stop the engine, then make sure no child process outlives us.
 

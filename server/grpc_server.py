@@ -1,7 +1,7 @@
 """ControlPlaneServer: the grpc.aio server with every enginectl service, health and reflection.
 
-Runs in the `enginectl serve` process, on the same event loop as vLLM's HTTP server and the
-AsyncLLM they share.
+Runs in the `enginectl serve` process, on the control loop (control_loop.py), not on the loop
+vLLM's HTTP server and AsyncLLM share.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import structlog
 from google.protobuf import descriptor as _descriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -36,8 +35,6 @@ from enginectl.weights.v1 import (
 if TYPE_CHECKING:
     from enginectl.server.engine import EngineInfo
     from enginectl.server.metrics import ControlPlaneMetrics
-
-log = structlog.get_logger("enginectl.server")
 
 # Generous for weight-update chunks and tensor manifests; every field is bounded anyway.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -145,21 +142,21 @@ class ControlPlaneServer:
         ]
         self.service_names: list[str] = []
         self.supported_rpcs: list[str] = []
-        completed = []
+        completed: list[tuple[str, Any, type]] = []
         for pb2, pb2_grpc, name, impl, arrives in services:
             descriptor = pb2.DESCRIPTOR.services_by_name[name]
             generated = getattr(pb2_grpc, f"{name}Servicer")
             cls, implemented = _with_unimplemented(impl or generated, generated, descriptor, arrives)
-            completed.append((getattr(pb2_grpc, f"add_{name}Servicer_to_server"), cls))
+            completed.append((name, getattr(pb2_grpc, f"add_{name}Servicer_to_server"), cls))
             self.service_names.append(descriptor.full_name)
             self.supported_rpcs.extend(implemented)
-        arguments: dict[type, tuple[Any, ...]] = {
-            WeightVersionServicer: (ledger,),
-            WeightUpdateServicer: (self._server_info(engine_info, token is not None),),
+        # Constructor arguments, once supported_rpcs (part of GetServerInfo) is known.
+        arguments: dict[str, tuple[Any, ...]] = {
+            "WeightVersionService": (ledger,),
+            "WeightUpdateService": (self._server_info(engine_info, token is not None),),
         }
-        for add, cls in completed:
-            base = cls.__mro__[1]
-            add(cls(*arguments.get(base, ())), self._server)
+        for name, add, cls in completed:
+            add(cls(*arguments.get(name, ())), self._server)
         reflection.enable_server_reflection(
             (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )

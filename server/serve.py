@@ -238,7 +238,6 @@ async def serve(args: argparse.Namespace) -> int:
             )
         except StartupError as exc:
             raise SystemExit(f"enginectl serve: {exc}") from None
-        ledger = plane.ledger
 
         client = engine.client
         log_config = get_uvicorn_log_config(args)
@@ -266,7 +265,7 @@ async def serve(args: argparse.Namespace) -> int:
         await control.run(plane.set_serving(True))
         log.info("serving", grpc_host=args.grpc_host, grpc_port=bound, http_host=args.host,
                  http_port=http_port, model=engine.info.model, dp_size=engine.info.data_parallel_size,
-                 incarnation=ledger.incarnation, auth=token is not None, tls=tls is not None,
+                 incarnation=plane.ledger.incarnation, auth=token is not None, tls=tls is not None,
                  pid=os.getpid())
 
         stopping = asyncio.create_task(stop.wait())

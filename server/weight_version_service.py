@@ -43,11 +43,18 @@ class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
 
     def __init__(self, ledger: WeightVersionLedger) -> None:
         self._ledger = ledger
+        # GetWeightVersion is the hot read: build its answer once per state, not per call.
+        self._answer: tuple[VersionState | None, pb2.GetWeightVersionResponse] = (
+            None, pb2.GetWeightVersionResponse(),
+        )
 
     async def GetWeightVersion(
         self, request: pb2.GetWeightVersionRequest, context: grpc.aio.ServicerContext
     ) -> pb2.GetWeightVersionResponse:
-        return pb2.GetWeightVersionResponse(weight_version=weight_version_proto(self._ledger.state))
+        state = self._ledger.state
+        if self._answer[0] is not state:
+            self._answer = (state, pb2.GetWeightVersionResponse(weight_version=weight_version_proto(state)))
+        return self._answer[1]
 
     async def SetWeightVersion(
         self, request: pb2.SetWeightVersionRequest, context: grpc.aio.ServicerContext

@@ -12,7 +12,6 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from serving import BIN, ServeProcess, alive
