@@ -217,14 +217,15 @@ def baseline_server(variant: str) -> ServerProcess:
 
 
 class Worker:
-    """A load-generating subprocess (`python -m bench.clients ...`) speaking JSON lines."""
+    """A load-generating subprocess (`python -m bench.clients ...`, or another `module`)
+    speaking JSON lines."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], module: str = "bench.clients") -> None:
         env = base_env()
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
                                                           env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.clients", *args], env=env, stdin=subprocess.PIPE,
+            [sys.executable, "-m", module, *args], env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         self._lines: deque[dict] = deque()

@@ -21,11 +21,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import fpm, fpm_publish
 from bench.procs import ServerProcess, Worker, baseline_server, enginectl_server
 from bench.stats import ratio
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PHASES = ("latency", "rollouts", "throughput")
+PHASES = ("latency", "rollouts", "throughput", "fpm", "fpm_publish")
 DIAGNOSTIC_VARIANTS = ("bare-uvloop", "intercepted-nolog", "intercepted", "controlplane")
 TARGETS = {  # DESIGN §8
     "latency_vs_bare": 1.15,     # enginectl p50 / bare grpc.aio p50 <=
@@ -287,13 +288,15 @@ def figures(results: dict) -> list[dict]:
         out.append(_figure(f"GetWeightVersion throughput, {tp['_config']['clients']} clients",
                            "bare grpc.aio req/s", tp["bare"]["rps"], tp["enginectl"]["rps"], "req/s",
                            TARGETS["throughput_vs_bare"], True))
+    out += fpm.figures(results)
+    out += fpm_publish.figures(results)
     return out
 
 
 def _fmt(v: float | None, unit: str) -> str:
     if v is None:
         return "n/a"
-    return f"{v:.0f} {unit}" if unit == "req/s" else f"{v:.3f} {unit}"
+    return f"{v:.0f} {unit}" if unit in ("req/s", "samples/s") else f"{v:.3f} {unit}"
 
 
 def markdown(results: dict) -> str:
@@ -344,6 +347,8 @@ def markdown(results: dict) -> str:
             lines.append(f"| {name} | {rec['rps']:.0f} | {', '.join(str(round(r['rps'])) for r in rec['rounds'])} | "
                          f"{rec['server_cpu_us_per_req']} | {rec['server_cpu_util']} | {rec['latency_p50_ms']} | "
                          f"{rec['errors']} |")
+    lines += fpm.markdown(results)
+    lines += fpm_publish.markdown(results)
     if results.get("notes"):
         lines += [""] + [f"- {n}" for n in results["notes"]]
     return "\n".join(lines) + "\n"
@@ -422,6 +427,11 @@ def main(argv: list[str] | None = None) -> int:
             results["rollouts"] = phase_rollouts(ordered, http_targets, cfg)
         if "throughput" in phases:
             results["throughput"] = phase_throughput(ordered, http_targets, cfg)
+        if "fpm" in phases:
+            results["fpm_latency"] = fpm.phase_latency(eng, args.quick)
+            results["fpm_fanin"] = fpm.phase_fanin(eng, args.quick)
+        if "fpm_publish" in phases:  # its own in-process engine, in a worker subprocess
+            results["fpm_publish"] = fpm_publish.phase(args.quick)
         results["enginectl_log_lines"] = eng.lines_seen
     finally:
         for name in reversed(list(servers)):

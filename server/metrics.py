@@ -7,8 +7,12 @@ at scrape time, so nothing is computed on the RPC path but one counter increment
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from collections.abc import Iterator
 
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily
+
+from enginectl.server.fpm_relay import FpmRelay
 from enginectl.server.ledger import WeightVersionLedger
 
 
@@ -37,3 +41,39 @@ class ControlPlaneMetrics:
 
     def rpc_done(self, rpc: str, code: str) -> None:
         self.rpcs.labels(rpc=rpc, code=code).inc()
+
+
+class FpmRelayCollector:
+    """The FPM relay's counters, read from `FpmRelay.stats` at scrape time (the relay only
+    increments plain integers on its hot path)."""
+
+    def __init__(self, relay: FpmRelay) -> None:
+        self._relay = relay
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self._relay.stats
+        relayed = CounterMetricFamily(
+            "enginectl_fpm_samples_relayed", "Forward-pass metrics samples the relay sequenced and fanned out."
+        )
+        relayed.add_metric([], stats.accepted)
+        dropped = CounterMetricFamily(
+            "enginectl_fpm_samples_dropped",
+            "Samples dropped at the relay, by reason: unattributed (empty worker_id while "
+            "--await-worker-id requires one) or malformed.",
+            labels=["reason"],
+        )
+        dropped.add_metric(["unattributed"], stats.dropped_unattributed)
+        dropped.add_metric(["malformed"], stats.dropped_malformed)
+        missed = CounterMetricFamily(
+            "enginectl_fpm_subscriber_missed",
+            "Samples coalesced away from slow stream subscribers' queues (summed over subscribers).",
+        )
+        missed.add_metric([], stats.subscriber_missed)
+        yield from (relayed, dropped, missed)
+
+
+def register_fpm_metrics(relay: FpmRelay, registry: CollectorRegistry = REGISTRY) -> FpmRelayCollector:
+    """Export the relay's counters in `registry` (once per process)."""
+    collector = FpmRelayCollector(relay)
+    registry.register(collector)
+    return collector

@@ -1,0 +1,163 @@
+"""Plain Python views of forward-pass metrics (FPM) and a typed StreamForwardPassMetrics call.
+
+Runs wherever the client runs (a planner, a notebook); imports neither torch nor vLLM.
+Field meanings are those of `enginectl/fpm/v1/forward_pass_metrics.proto`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import grpc
+from enginectl.client.client import ChannelConfig
+from enginectl.client.errors import from_rpc_error
+from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
+from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
+from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
+
+
+class SampleKind(str, enum.Enum):
+    """What made a sample."""
+
+    UNSPECIFIED = "UNSPECIFIED"
+    STEP = "STEP"
+    HEARTBEAT = "HEARTBEAT"
+
+
+@dataclass(frozen=True)
+class ScheduledRequests:
+    """The requests one scheduler step executed (Dynamo's ScheduledRequestMetrics)."""
+
+    num_prefill_requests: int
+    sum_prefill_tokens: int
+    var_prefill_length: float
+    sum_prefill_kv_tokens: int
+    num_decode_requests: int
+    sum_decode_kv_tokens: int
+    var_decode_kv_tokens: float
+
+
+@dataclass(frozen=True)
+class QueuedRequests:
+    """The requests waiting on a rank (Dynamo's QueuedRequestMetrics)."""
+
+    num_prefill_requests: int
+    sum_prefill_tokens: int
+    var_prefill_length: float
+    num_decode_requests: int
+    sum_decode_kv_tokens: int
+    var_decode_kv_tokens: float
+
+
+@dataclass(frozen=True)
+class FpmSample:
+    """One forward-pass metrics sample of one data-parallel rank, as relayed."""
+
+    worker_id: str
+    dp_rank: int
+    counter_id: int
+    identity_generation: int
+    incarnation: str
+    emit_time: datetime | None
+    wall_time: float
+    idle: bool
+    kind: SampleKind
+    scheduled: ScheduledRequests
+    queued: QueuedRequests
+    kv_cache_usage: float
+    num_running: int
+    num_waiting: int
+    dropped_since_last: int
+    sequence: int
+    weight_revision: int
+    schema_version: int
+
+    @classmethod
+    def from_proto(cls, msg: fpm_pb2.ForwardPassMetrics) -> FpmSample:
+        s, q = msg.scheduled, msg.queued
+        emit = msg.emit_time.ToDatetime(tzinfo=timezone.utc) if msg.HasField("emit_time") else None
+        kind = fpm_pb2.SampleKind.Name(msg.kind).removeprefix("SAMPLE_KIND_")
+        return cls(
+            worker_id=msg.worker_id, dp_rank=msg.dp_rank, counter_id=msg.counter_id,
+            identity_generation=msg.identity_generation, incarnation=msg.incarnation,
+            emit_time=emit, wall_time=msg.wall_time, idle=msg.idle,
+            kind=SampleKind(kind) if kind in SampleKind.__members__ else SampleKind.UNSPECIFIED,
+            scheduled=ScheduledRequests(
+                s.num_prefill_requests, s.sum_prefill_tokens, s.var_prefill_length,
+                s.sum_prefill_kv_tokens, s.num_decode_requests, s.sum_decode_kv_tokens,
+                s.var_decode_kv_tokens,
+            ),
+            queued=QueuedRequests(
+                q.num_prefill_requests, q.sum_prefill_tokens, q.var_prefill_length,
+                q.num_decode_requests, q.sum_decode_kv_tokens, q.var_decode_kv_tokens,
+            ),
+            kv_cache_usage=msg.kv_cache_usage, num_running=msg.num_running,
+            num_waiting=msg.num_waiting, dropped_since_last=msg.dropped_since_last,
+            sequence=msg.sequence, weight_revision=msg.weight_revision,
+            schema_version=msg.schema_version,
+        )
+
+
+@dataclass(frozen=True)
+class FpmBatch:
+    """Samples of one stream message; `missed` were coalesced away before them (slow reader)."""
+
+    samples: tuple[FpmSample, ...]
+    missed: int
+
+
+@dataclass(frozen=True)
+class FpmProgress:
+    """Where a stream stands: resume after `sequence` to miss nothing it would have sent."""
+
+    sequence: int
+    head_sequence: int
+    oldest_sequence: int
+    incarnation: str
+
+
+def stream_request(
+    *,
+    worker_ids: Iterable[str] = (),
+    dp_ranks: Iterable[int] = (),
+    include_heartbeats: bool = False,
+    resume_after_sequence: int | None = None,
+    resume_incarnation: str = "",
+    max_batch_size: int = 0,
+) -> svc_pb2.StreamForwardPassMetricsRequest:
+    """The StreamForwardPassMetrics request for these options (see the proto)."""
+    request = svc_pb2.StreamForwardPassMetricsRequest(
+        filter=svc_pb2.ForwardPassMetricsFilter(worker_ids=list(worker_ids), dp_ranks=list(dp_ranks)),
+        include_heartbeats=include_heartbeats,
+        resume_incarnation=resume_incarnation,
+        max_batch_size=max_batch_size,
+    )
+    if resume_after_sequence is not None:
+        request.resume_after_sequence = resume_after_sequence
+    return request
+
+
+async def stream_forward_pass_metrics(
+    channel: grpc.aio.Channel,
+    request: svc_pb2.StreamForwardPassMetricsRequest,
+    config: ChannelConfig | None = None,
+) -> AsyncIterator[FpmBatch | FpmProgress]:
+    """Yield the stream's progress messages and batches; raises EnginectlError (with the
+    server's reason, e.g. OutOfRangeError SEQUENCE_EVICTED) when the stream fails."""
+    stub = svc_grpc.ForwardPassMetricsServiceStub(channel)
+    call = stub.StreamForwardPassMetrics(request, metadata=config.metadata() if config else ())
+    try:
+        async for response in call:
+            if response.HasField("batch"):
+                batch = response.batch
+                yield FpmBatch(tuple(FpmSample.from_proto(s) for s in batch.samples), batch.missed)
+            else:
+                p = response.progress
+                yield FpmProgress(p.sequence, p.head_sequence, p.oldest_sequence, p.incarnation)
+    except grpc.aio.AioRpcError as err:
+        raise from_rpc_error(err) from None
+    finally:
+        call.cancel()

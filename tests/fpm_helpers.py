@@ -1,0 +1,172 @@
+"""Helpers for the FPM stream and planner tests: a real ZMQ publisher into a server's relay,
+and stream readers over real gRPC.
+
+The publisher is a real ZMQ PUB sending real ForwardPassMetrics frames to the relay endpoint
+`enginectl serve` logs (`fpm relay listening`), exactly as each EngineCore's publisher does;
+it stands in for the engine only to control the rate and the content of samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+
+import grpc
+import zmq
+
+from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
+from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
+from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
+
+from serving import ServeProcess
+
+STEP, HEARTBEAT = fpm_pb2.SAMPLE_KIND_STEP, fpm_pb2.SAMPLE_KIND_HEARTBEAT
+
+
+def relay_endpoint(server: ServeProcess) -> str:
+    return str(server.wait_for_event(lambda e: e.get("event") == "fpm relay listening")["endpoint"])
+
+
+def frames(worker_id: str, count: int, *, ranks: int = 1, kind: int = STEP, start: int = 1) -> list[bytes]:
+    """`count` samples, counter_id start.., spread round-robin over `ranks` ranks."""
+    return [
+        fpm_pb2.ForwardPassMetrics(
+            schema_version=1, worker_id=worker_id, dp_rank=i % ranks, counter_id=start + i,
+            incarnation="test-publisher", kind=kind, idle=kind == HEARTBEAT,
+        ).SerializeToString()
+        for i in range(count)
+    ]
+
+
+def request(
+    worker_ids: Sequence[str] = (), dp_ranks: Sequence[int] = (), **fields: object
+) -> svc_pb2.StreamForwardPassMetricsRequest:
+    return svc_pb2.StreamForwardPassMetricsRequest(
+        filter=svc_pb2.ForwardPassMetricsFilter(worker_ids=list(worker_ids), dp_ranks=list(dp_ranks)),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+class RelayPublisher:
+    """A real ZMQ PUB connected to a server's relay; `connect` waits until frames get through."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._context = zmq.Context()
+        self.socket = self._context.socket(zmq.PUB)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # the test publisher never drops
+        self.socket.connect(endpoint)
+
+    async def connect(self, target: str, timeout: float = 30.0) -> None:
+        """PUB drops frames until the relay's subscription reaches it: send probes until one
+        comes back on a stream (a handshake, not a sleep)."""
+        probe = f"probe-{uuid.uuid4().hex[:8]}"
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = svc_grpc.ForwardPassMetricsServiceStub(channel).StreamForwardPassMetrics(request([probe]))
+            await call.read()  # first progress: subscribed
+
+            async def probes() -> None:
+                while True:
+                    self.socket.send(frames(probe, 1)[0])
+                    await asyncio.sleep(0.02)
+
+            sender = asyncio.create_task(probes())
+            try:
+                while True:
+                    response = await asyncio.wait_for(call.read(), timeout)
+                    if response.HasField("batch"):
+                        break
+            finally:
+                sender.cancel()
+                call.cancel()
+
+    def send_all(self, data: Sequence[bytes], per_second: float | None = None) -> None:
+        """Send every frame (blocking; run it in a thread), paced in 10 ms slices if asked."""
+        if per_second is None:
+            for f in data:
+                self.socket.send(f)
+            return
+        chunk = max(1, int(per_second / 100))
+        t0 = time.monotonic()
+        for i in range(0, len(data), chunk):
+            for f in data[i:i + chunk]:
+                self.socket.send(f)
+            ahead = t0 + (i + chunk) / per_second - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)  # pacing the publisher's rate, not waiting for an outcome
+
+    def close(self) -> None:
+        self.socket.close(linger=1000)
+        self._context.term()
+
+
+async def read_until(
+    call: grpc.aio.UnaryStreamCall, done: int, timeout: float = 60.0
+) -> tuple[list[fpm_pb2.ForwardPassMetrics], int, list[svc_pb2.ForwardPassMetricsProgress]]:
+    """Read batches until `done` samples were received or counted missed (or fail)."""
+    samples: list[fpm_pb2.ForwardPassMetrics] = []
+    missed = 0
+    progress: list[svc_pb2.ForwardPassMetricsProgress] = []
+    deadline = time.monotonic() + timeout
+    while len(samples) + missed < done:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"got {len(samples)} samples + {missed} missed of {done}"
+        response = await asyncio.wait_for(call.read(), remaining)
+        assert response is not grpc.aio.EOF, "stream ended"
+        if response.HasField("batch"):
+            samples.extend(response.batch.samples)
+            missed += response.batch.missed
+        else:
+            progress.append(response.progress)
+    return samples, missed, progress
+
+
+class CuttableProxy:
+    """A real TCP proxy on 127.0.0.1 whose connections the test can cut: a broken network
+    path between a planner and a server, caused for real."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream  # new connections go here; change it to "move" the server
+        self._server: asyncio.base_events.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.connections = 0
+        self.blocked = False
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.blocked:
+            writer.transport.abort()
+            return
+        self.connections += 1
+        host, port = self.upstream.rsplit(":", 1)
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self, *, block: bool = False) -> None:
+        """Drop every open connection; with `block`, refuse new ones until `blocked` is reset."""
+        self.blocked = block
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
