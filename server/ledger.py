@@ -33,6 +33,27 @@ MAX_VERSION_BYTES = 256
 
 
 @dataclass(frozen=True)
+class Fingerprint:
+    """Digest of the weights in memory when a version was declared (VerifyWeights)."""
+
+    method: str
+    digest: str
+    ranks: tuple[tuple[int, str], ...]  # (dp_rank, digest)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An update that failed after it began writing: the weights may be mixed."""
+
+    reason: str
+    cause: str
+    message: str
+    time: float
+    attempted_version: str
+    operation: str
+
+
+@dataclass(frozen=True)
 class VersionState:
     """One immutable state of the WeightVersion resource."""
 
@@ -43,6 +64,8 @@ class VersionState:
     etag: str
     source: WeightSource
     declare_time: float | None
+    fingerprint: Fingerprint | None
+    last_failure: Failure | None
     # Internal: counts every change (declarations and, later, failures); drives etag & watch.
     change: int
 
@@ -53,6 +76,8 @@ class LedgerClosed(Exception):
 
 # Publishes a declared version to the engine (vLLM's update_weight_version on every rank).
 Publisher = Callable[[str], Awaitable[None]]
+# Fingerprints the weights in memory now, on every rank.
+Fingerprinter = Callable[[], Awaitable[Fingerprint]]
 
 
 class WeightVersionLedger:
@@ -62,12 +87,14 @@ class WeightVersionLedger:
         self,
         *,
         publish: Publisher | None = None,
+        fingerprint: Fingerprinter | None = None,
         incarnation: str | None = None,
         clock: Callable[[], float] = time.time,
         history_limit: int = 1024,
         request_id_limit: int = 10_000,
     ) -> None:
         self._publish = publish
+        self._fingerprint = fingerprint
         self._clock = clock
         self._incarnation = incarnation or secrets.token_hex(8)
         self._state = VersionState(
@@ -78,6 +105,8 @@ class WeightVersionLedger:
             etag=self._etag(0),
             source=WeightSource.UNSPECIFIED,
             declare_time=None,
+            fingerprint=None,
+            last_failure=None,
             change=0,
         )
         self._history: deque[VersionState] = deque([self._state], maxlen=history_limit)
@@ -123,16 +152,8 @@ class WeightVersionLedger:
                             "already used by a different request",
                         )
                     return previous[1]
-            if etag and etag != self._state.etag:
-                raise ControlPlaneError(
-                    grpc.StatusCode.ABORTED,
-                    Reason.ETAG_MISMATCH,
-                    "etag is not current (stale, or from another incarnation); re-read and retry",
-                    metadata={
-                        "current_revision": str(self._state.revision),
-                        "incarnation": self._incarnation,
-                    },
-                )
+            self.check_etag(etag)
+            fingerprint = await self._fingerprint() if self._fingerprint is not None else None
             if self._publish is not None:
                 await self._publish(version)
             state = self._commit(
@@ -141,12 +162,58 @@ class WeightVersionLedger:
                 revision=self._state.revision + 1,
                 source=source,
                 declare_time=self._clock(),
+                fingerprint=fingerprint,
             )
             if request_id:
                 self._answers[request_id] = ((version, etag), state)
                 while len(self._answers) > self._request_id_limit:
                     self._answers.popitem(last=False)
             return state
+
+    def writing(self) -> asyncio.Lock:
+        """The write lock: a weight update holds it from its first write to its record, so a
+        declaration that arrives meanwhile applies after it (`async with ledger.writing():`)."""
+        return self._write_lock
+
+    def check_write(self, *, version: str | None, etag: str, request_id: str) -> None:
+        """Validate an update's version fields before it starts (raises, changes nothing)."""
+        if version is not None:
+            _validate_version(version)
+        _validate_request_id(request_id)
+        self.check_etag(etag)
+
+    def check_etag(self, etag: str) -> None:
+        if etag and etag != self._state.etag:
+            raise ControlPlaneError(
+                grpc.StatusCode.ABORTED,
+                Reason.ETAG_MISMATCH,
+                "etag is not current (stale, or from another incarnation); re-read and retry",
+                metadata={
+                    "current_revision": str(self._state.revision),
+                    "incarnation": self._incarnation,
+                },
+            )
+
+    async def record_update(
+        self, version: str | None, source: WeightSource, fingerprint: Fingerprint | None
+    ) -> VersionState:
+        """A successful update, with the write lock held: declare `version` (or become
+        undeclared without one: new weights never keep an old label); clears last_failure."""
+        assert self._write_lock.locked(), "record_update needs the write lock"
+        if version is None:
+            return self._commit(declared=False, version=None, source=WeightSource.UNSPECIFIED,
+                                declare_time=None, fingerprint=None, last_failure=None)
+        if self._publish is not None:
+            await self._publish(version)
+        return self._commit(declared=True, version=version, revision=self._state.revision + 1,
+                            source=source, declare_time=self._clock(), fingerprint=fingerprint,
+                            last_failure=None)
+
+    def record_failure(self, failure: Failure) -> VersionState:
+        """An update failed after it began writing (write lock held): undeclared, with why."""
+        assert self._write_lock.locked(), "record_failure needs the write lock"
+        return self._commit(declared=False, version=None, source=WeightSource.UNSPECIFIED,
+                            declare_time=None, fingerprint=None, last_failure=failure)
 
     def _commit(self, **changes: object) -> VersionState:
         change = self._state.change + 1

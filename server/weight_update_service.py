@@ -1,24 +1,167 @@
-"""WeightUpdateService servicer. For now only GetServerInfo, the operator's view of a server;
-the update RPCs answer UNIMPLEMENTED (see ControlPlaneServer) until they land.
+"""WeightUpdateService servicer: proto <-> WeightUpdates.
 
-Runs in the `enginectl serve` process, on the control loop.
+Runs in the `enginectl serve` process, on the control loop. Thin on purpose: the rules live
+in weight_updates.py; errors raised as ControlPlaneError become google.rpc.Status in the
+interceptor.
 """
 
 from __future__ import annotations
 
-import grpc
+import argparse
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
 
+import grpc
+from google.longrunning import operations_pb2
+
+from enginectl.server.errors import ControlPlaneError, Reason
+from enginectl.server.operations import UpdateOperation
+from enginectl.server.weight_updates import MAX_CHUNK_BYTES, WeightUpdates, _Channels
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
+WORKER_EXTENSION = "enginectl.worker.weights.EnginectlWorkerExtension"
+
+
+def add_weight_update_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--allow-weights-from", dest="allow_weights_from", action="append", type=Path, default=[],
+        metavar="DIR",
+        help="A directory UpdateWeightsFromDisk may load from (repeatable). Real paths are "
+        "checked, symlinks resolved. Default: the directory holding the served model.",
+    )
+
+
+def configure_engine_args(args: argparse.Namespace) -> None:
+    """Before the engine starts: every worker gets enginectl's weight extension."""
+    if not getattr(args, "worker_extension_cls", None):
+        args.worker_extension_cls = WORKER_EXTENSION
+
+
+def allowed_roots(args: argparse.Namespace, model: str) -> list[Path]:
+    roots = [Path(p).resolve() for p in args.allow_weights_from]
+    if not roots and Path(model).is_dir():
+        roots = [Path(model).resolve().parent]
+    return roots
+
 
 class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
-    """Answers GetServerInfo from a response built once at start (nothing in it changes)."""
+    """Pause/resume, the three updates (returning Operations), groups, GetServerInfo."""
 
-    def __init__(self, info: pb2.GetServerInfoResponse) -> None:
+    def __init__(self, info: pb2.GetServerInfoResponse, updates: WeightUpdates | None = None) -> None:
         self._info = info
+        self._updates = updates
 
-    async def GetServerInfo(
-        self, request: pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
-    ) -> pb2.GetServerInfoResponse:
+    @property
+    def updates(self) -> WeightUpdates:
+        if self._updates is None:
+            raise ControlPlaneError(grpc.StatusCode.UNIMPLEMENTED, Reason.NOT_IMPLEMENTED,
+                                    "this server has no engine")
+        return self._updates
+
+    async def GetServerInfo(self, request: pb2.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> pb2.GetServerInfoResponse:
+        if self._updates is not None and not self._info.fingerprint_method and self._updates.fingerprint_method:
+            self._info.fingerprint_method = self._updates.fingerprint_method
+            self._info.full_fingerprint_method = self._updates.fingerprint_method.replace(
+                self._updates.fingerprint_method.split("-")[0], "full", 1)
         return self._info
+
+    async def PauseGeneration(self, request: pb2.PauseGenerationRequest,
+                              context: grpc.aio.ServicerContext) -> pb2.PauseGenerationResponse:
+        return await self.updates.pause(request)
+
+    async def ResumeGeneration(self, request: pb2.ResumeGenerationRequest,
+                               context: grpc.aio.ServicerContext) -> pb2.ResumeGenerationResponse:
+        return await self.updates.resume(request)
+
+    async def GetGenerationState(self, request: pb2.GetGenerationStateRequest,
+                                 context: grpc.aio.ServicerContext) -> pb2.GetGenerationStateResponse:
+        return pb2.GetGenerationStateResponse(state=await self.updates.generation_state())
+
+    async def UpdateWeightsFromDisk(self, request: pb2.UpdateWeightsFromDiskRequest,
+                                    context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
+        updates = self.updates
+        op, _ = await updates.start(await asyncio.to_thread(updates.plan_disk, request))
+        return op.proto()
+
+    async def InitWeightsUpdateGroup(self, request: pb2.InitWeightsUpdateGroupRequest,
+                                     context: grpc.aio.ServicerContext) -> pb2.InitWeightsUpdateGroupResponse:
+        return pb2.InitWeightsUpdateGroupResponse(group=await self.updates.init_group(request))
+
+    async def DestroyWeightsUpdateGroup(self, request: pb2.DestroyWeightsUpdateGroupRequest,
+                                        context: grpc.aio.ServicerContext) -> pb2.DestroyWeightsUpdateGroupResponse:
+        return pb2.DestroyWeightsUpdateGroupResponse(found=await self.updates.destroy_group(request))
+
+    async def UpdateWeightsFromDistributed(self, request: pb2.UpdateWeightsFromDistributedRequest,
+                                           context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
+        updates = self.updates
+        op, _ = await updates.start(updates.plan_distributed(request))
+        return op.proto()
+
+    async def UpdateWeightsFromTensors(self, request_iterator: AsyncIterator[pb2.UpdateWeightsFromTensorsRequest],
+                                       context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
+        updates = self.updates
+        messages = request_iterator.__aiter__()
+        try:
+            first = await messages.__anext__()
+        except StopAsyncIteration:
+            first = None
+        if first is None or first.WhichOneof("payload") != "header":
+            raise ControlPlaneError(grpc.StatusCode.INVALID_ARGUMENT, Reason.HEADER_REQUIRED,
+                                    "the first message must be a header (tensor specs, version, options)")
+        plan = updates.plan_tensors(first.header)
+        total = plan.bytes_total
+        fed = asyncio.Event()
+        fed_channels: list[_Channels] = []
+
+        async def feed(channels: _Channels, op: UpdateOperation) -> None:
+            fed_channels.append(channels)
+            received = 0
+            try:
+                async for message in messages:
+                    if channels.aborted is not None:
+                        break
+                    if message.WhichOneof("payload") != "chunk":
+                        channels.abort(Reason.HEADER_REQUIRED, "a second header: every message after the first is a chunk")
+                        break
+                    data, offset = message.chunk.data, message.chunk.offset
+                    if not data or len(data) > MAX_CHUNK_BYTES:
+                        channels.abort(Reason.CHUNK_TOO_LARGE, f"a chunk holds 1..{MAX_CHUNK_BYTES} bytes; got {len(data)}")
+                        break
+                    if offset != received:
+                        channels.abort(Reason.CHUNK_OUT_OF_ORDER, f"chunk offset {offset}, expected {received}")
+                        break
+                    if received + len(data) > total:
+                        channels.abort(Reason.DATA_SIZE_MISMATCH,
+                                       f"{received + len(data)} bytes sent; the header's tensors hold {total}")
+                        break
+                    await channels.send_chunk(offset, data)
+                    received += len(data)
+                else:
+                    if received < total:
+                        channels.abort(Reason.DATA_SIZE_MISMATCH,
+                                       f"the client half-closed after {received} of {total} bytes")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the call broke under us
+                channels.abort(Reason.STREAM_BROKEN, f"the stream broke: {type(exc).__name__}")
+            finally:
+                fed.set()
+
+        op, started = await updates.start(plan, feed)
+        if started:
+            try:
+                waiters = {asyncio.ensure_future(fed.wait()), asyncio.ensure_future(op.finished.wait())}
+                _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                for waiter in pending:
+                    waiter.cancel()
+                if not op.done and fed_channels and fed_channels[0].aborted is not None:
+                    await op.finished.wait()  # the update is failing: the call ends with its error
+            except asyncio.CancelledError:
+                updates.abort(op, Reason.STREAM_BROKEN, "the client cancelled the stream")
+                raise
+        if op.done and op.failure is not None:
+            raise op.failure
+        return op.proto()

@@ -7,17 +7,21 @@ raised as ControlPlaneError become google.rpc.Status in the interceptor.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf import timestamp_pb2
 
 from enginectl.server.errors import ControlPlaneError, Reason
-from enginectl.server.ledger import LedgerClosed, VersionState, WeightVersionLedger
+from enginectl.server.ledger import Fingerprint, LedgerClosed, VersionState, WeightVersionLedger
 from enginectl.weights.v1 import (
     weight_version_pb2 as wv_pb2,
     weight_version_service_pb2 as pb2,
     weight_version_service_pb2_grpc as pb2_grpc,
 )
+
+if TYPE_CHECKING:
+    from enginectl.server.weight_updates import WeightUpdates
 
 
 def weight_version_proto(state: VersionState) -> wv_pb2.WeightVersion:
@@ -35,14 +39,32 @@ def weight_version_proto(state: VersionState) -> wv_pb2.WeightVersion:
         stamp = timestamp_pb2.Timestamp()
         stamp.FromNanoseconds(int(state.declare_time * 1e9))
         msg.declare_time.CopyFrom(stamp)
+    if state.fingerprint is not None:
+        msg.fingerprint.CopyFrom(fingerprint_proto(state.fingerprint))
+    if state.last_failure is not None:
+        failure = state.last_failure
+        msg.last_failure.reason = failure.reason
+        msg.last_failure.cause = failure.cause
+        msg.last_failure.message = failure.message
+        msg.last_failure.attempted_version = failure.attempted_version
+        msg.last_failure.operation = failure.operation
+        msg.last_failure.time.FromNanoseconds(int(failure.time * 1e9))
     return msg
+
+
+def fingerprint_proto(fingerprint: Fingerprint) -> wv_pb2.WeightFingerprint:
+    return wv_pb2.WeightFingerprint(
+        method=fingerprint.method, digest=fingerprint.digest,
+        ranks=[wv_pb2.RankFingerprint(dp_rank=rank, digest=digest) for rank, digest in fingerprint.ranks],
+    )
 
 
 class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
     """Serves GetWeightVersion, SetWeightVersion and WatchWeightVersion from a ledger."""
 
-    def __init__(self, ledger: WeightVersionLedger) -> None:
+    def __init__(self, ledger: WeightVersionLedger, updates: WeightUpdates | None = None) -> None:
         self._ledger = ledger
+        self._updates = updates
         # GetWeightVersion is the hot read: build its answer once per state, not per call.
         self._answer: tuple[VersionState | None, pb2.GetWeightVersionResponse] = (
             None, pb2.GetWeightVersionResponse(),
@@ -75,3 +97,24 @@ class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
             raise ControlPlaneError(
                 grpc.StatusCode.UNAVAILABLE, Reason.SHUTTING_DOWN, "server is shutting down"
             ) from None
+
+    async def VerifyWeights(
+        self, request: pb2.VerifyWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.VerifyWeightsResponse:
+        if self._updates is None:
+            raise ControlPlaneError(grpc.StatusCode.UNIMPLEMENTED, Reason.NOT_IMPLEMENTED, "this server has no engine")
+        verdict, recorded, current = await self._updates.verify(request.full)
+        recorded_ranks = dict(recorded.ranks) if recorded is not None else {}
+        ranks = []
+        for rank, digest in current.ranks:
+            before = recorded_ranks.get(rank, "")
+            if verdict == pb2.VERIFY_VERDICT_UNDECLARED:
+                rank_verdict = pb2.VERIFY_VERDICT_UNDECLARED
+            else:
+                rank_verdict = pb2.VERIFY_VERDICT_MATCH if before == digest else pb2.VERIFY_VERDICT_DRIFTED
+            ranks.append(pb2.RankVerification(dp_rank=rank, verdict=rank_verdict, recorded_digest=before,
+                                              current_digest=digest))
+        return pb2.VerifyWeightsResponse(
+            verdict=verdict, method=current.method, ranks=ranks,
+            weight_version=weight_version_proto(self._ledger.state),
+        )

@@ -1,7 +1,9 @@
-"""data_parallel_size=2: a declaration reaches every EngineCore, not just the first.
+"""data_parallel_size=2: a declaration and a weight update reach every EngineCore, not just
+the first.
 
-vLLM's own `set_weight_version_async` goes through `call_utility_async`, which reaches
-only the first engine; outputs from rank 1 would keep the old label.
+vLLM's own `set_weight_version_async` and `collective_rpc_async` go through
+`call_utility_async`, which reaches only the first engine; rank 1 would keep the old label
+(and the old weights).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from serving import ServeProcess, alive
+from weights_fixtures import Checkpoints, checkpoints  # noqa: F401
 
 from enginectl.client import Client
 
@@ -19,8 +22,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def dp_server(serve_env: dict[str, str]) -> Iterator[ServeProcess]:
-    srv = ServeProcess(["--data-parallel-size", "2", "--enable-scale-out"], serve_env).start().wait_ready()
+def dp_server(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[ServeProcess]:
+    srv = ServeProcess(["--data-parallel-size", "2", "--enable-scale-out",
+                        "--allow-weights-from", str(checkpoints.root)], serve_env).start().wait_ready()
     yield srv
     srv.kill()
 
@@ -44,6 +48,41 @@ def test_declared_version_stamps_outputs_of_both_ranks(dp_server: ServeProcess) 
                 choice = _generate_on_rank(dp_server, rank)
                 n = len(choice["token_ids"])
                 assert choice["weight_versions"] == [{"version": version, "start": 0, "end": n}], rank
+
+
+def test_one_update_reaches_both_ranks(dp_server: ServeProcess, checkpoints: Checkpoints) -> None:
+    import grpc
+    from google.longrunning import operations_pb2, operations_pb2_grpc
+
+    from enginectl.weights.v1 import weight_update_service_pb2 as upb
+    from enginectl.weights.v1 import weight_update_service_pb2_grpc as upb_grpc
+    from enginectl.weights.v1 import weight_version_service_pb2 as vpb
+    from enginectl.weights.v1 import weight_version_service_pb2_grpc as vpb_grpc
+
+    channel = grpc.insecure_channel(dp_server.grpc_target)
+    updates, ops = upb_grpc.WeightUpdateServiceStub(channel), operations_pb2_grpc.OperationsStub(channel)
+    versions = vpb_grpc.WeightVersionServiceStub(channel)
+    before = {rank: _generate_on_rank(dp_server, rank)["token_ids"] for rank in (0, 1)}
+    assert before[0] == before[1]  # both ranks serve checkpoint A
+
+    op = updates.UpdateWeightsFromDisk(upb.UpdateWeightsFromDiskRequest(path=str(checkpoints.b), weight_version="dp-B"))
+    done = ops.WaitOperation(operations_pb2.WaitOperationRequest(name=op.name), timeout=120)
+    response = upb.UpdateWeightsResponse()
+    assert done.response.Unpack(response), done.error
+    n = len(checkpoints.state_dict("B"))
+    assert [(r.dp_rank, r.tensors_loaded) for r in response.ranks] == [(0, n), (1, n)]
+
+    after = {rank: _generate_on_rank(dp_server, rank) for rank in (0, 1)}
+    assert after[0]["token_ids"] == after[1]["token_ids"] != before[0]
+    for rank in (0, 1):
+        assert after[rank]["weight_versions"][0]["version"] == "dp-B"
+    verified = versions.VerifyWeights(vpb.VerifyWeightsRequest())
+    assert verified.verdict == vpb.VERIFY_VERDICT_MATCH
+    assert [(r.dp_rank, r.verdict) for r in verified.ranks] == [(0, vpb.VERIFY_VERDICT_MATCH),
+                                                                (1, vpb.VERIFY_VERDICT_MATCH)]
+    state = updates.GetGenerationState(upb.GetGenerationStateRequest()).state
+    assert [r.dp_rank for r in state.ranks] == [0, 1] and not state.paused
+    channel.close()
 
 
 def test_sigterm_stops_both_engine_cores(dp_server: ServeProcess) -> None:

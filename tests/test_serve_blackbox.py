@@ -22,6 +22,7 @@ SERVICES = {
     "enginectl.weights.v1.WeightUpdateService",
     "enginectl.fpm.v1.FpmIdentityService",
     "enginectl.fpm.v1.ForwardPassMetricsService",
+    "google.longrunning.Operations",
     "grpc.health.v1.Health",
     "grpc.reflection.v1alpha.ServerReflection",
 }

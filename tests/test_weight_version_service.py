@@ -183,15 +183,6 @@ def test_sync_client(server: ServeProcess) -> None:
             c.set_weight_version("")
 
 
-async def test_verify_weights_is_unimplemented_with_a_clear_message(server: ServeProcess) -> None:
-    async with grpc.aio.insecure_channel(server.grpc_target) as channel:
-        stub = pb2_grpc.WeightVersionServiceStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.VerifyWeights(pb2.VerifyWeightsRequest())
-    assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
-    assert "VerifyWeights" in (err.value.details() or "")
-
-
 def _generate(server: ServeProcess, prompt_ids: list[int], max_tokens: int = 6) -> dict:
     body = json.dumps({
         "token_ids": prompt_ids,
@@ -215,26 +206,6 @@ async def test_declared_version_stamps_generated_outputs(client: AsyncClient, se
         assert choice["weight_versions"] == [{"version": version, "start": 0, "end": n}]
 
 
-async def test_unimplemented_services_answer_clearly(server: ServeProcess) -> None:
-    from enginectl.fpm.v1 import fpm_identity_service_pb2, fpm_identity_service_pb2_grpc
-    from enginectl.weights.v1 import weight_update_service_pb2, weight_update_service_pb2_grpc
-
-    async with grpc.aio.insecure_channel(server.grpc_target) as channel:
-        calls = [
-            weight_update_service_pb2_grpc.WeightUpdateServiceStub(channel).GetGenerationState(
-                weight_update_service_pb2.GetGenerationStateRequest()
-            ),
-            fpm_identity_service_pb2_grpc.FpmIdentityServiceStub(channel).GetWorkerIdentity(
-                fpm_identity_service_pb2.GetWorkerIdentityRequest()
-            ),
-        ]
-        for call in calls:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await call
-            assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
-            assert "not implemented in this release" in (err.value.details() or "")
-
-
 async def test_server_info_describes_engine_and_supported_rpcs(server: ServeProcess) -> None:
     from enginectl.weights.v1 import weight_update_service_pb2, weight_update_service_pb2_grpc
 
@@ -247,12 +218,20 @@ async def test_server_info_describes_engine_and_supported_rpcs(server: ServeProc
     assert info.vllm_version.startswith("0.32")
     assert info.auth_required is False
     assert info.incarnation == server.serving["incarnation"]
-    assert set(info.api_versions) == {"enginectl.weights.v1", "enginectl.fpm.v1"}
-    wv = "enginectl.weights.v1.WeightVersionService"
-    assert set(info.supported_rpcs) == {
-        f"{wv}/GetWeightVersion", f"{wv}/SetWeightVersion", f"{wv}/WatchWeightVersion",
-        "enginectl.weights.v1.WeightUpdateService/GetServerInfo",
+    assert set(info.api_versions) == {"enginectl.weights.v1", "enginectl.fpm.v1", "google.longrunning"}
+    # Every RPC of every service this server registers is implemented.
+    from google.longrunning import operations_pb2
+
+    from enginectl.fpm.v1 import forward_pass_metrics_service_pb2, fpm_identity_service_pb2
+
+    every = {
+        f"{service.full_name}/{method.name}"
+        for module in (pb2, weight_update_service_pb2, fpm_identity_service_pb2,
+                       forward_pass_metrics_service_pb2, operations_pb2)
+        for service in module.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
     }
+    assert set(info.supported_rpcs) == every
     assert info.limits.max_version_bytes == 256
 
 

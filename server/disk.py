@@ -1,0 +1,166 @@
+"""Safetensors checks for disk updates: where a path may lead, what its headers say.
+
+Runs in the `enginectl serve` process, before any weight is touched. Reads only the JSON
+header of each file (8-byte length + JSON); never imports torch, never opens a pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
+
+MAX_PATH_BYTES = 4096
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+INDEX_SUFFIX = ".safetensors.index.json"
+
+# safetensors dtype codes -> torch dtype names (the names TensorSpec and the worker use).
+SAFETENSORS_DTYPES = {
+    "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
+    "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+DTYPE_BYTES = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "int16": 2,
+    "int32": 4, "int64": 8, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * DTYPE_BYTES[self.dtype]
+
+
+def unsupported(message: str) -> ControlPlaneError:
+    return ControlPlaneError(grpc.StatusCode.INVALID_ARGUMENT, Reason.UNSUPPORTED_FORMAT, message)
+
+
+def read_header(path: Path) -> list[TensorInfo]:
+    """The tensors a safetensors file holds, in file order; UNSUPPORTED_FORMAT if the file is
+    not safetensors (pickle, GGUF, ...), its header is malformed, or it is truncated."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise unsupported(f"{path.name}: not a safetensors file (too short)")
+        (length,) = struct.unpack("<Q", head)
+        if length < 2 or length > MAX_HEADER_BYTES or 8 + length > size:
+            raise unsupported(f"{path.name}: not a safetensors file (bad header length); "
+                              "only safetensors is loaded, pickle checkpoints are refused")
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise unsupported(f"{path.name}: malformed safetensors header") from None
+    if not isinstance(header, dict):
+        raise unsupported(f"{path.name}: malformed safetensors header")
+    tensors: list[tuple[int, TensorInfo]] = []
+    data_size = size - 8 - length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise unsupported(f"{path.name}: malformed entry for tensor {name!r}") from None
+        info = TensorInfo(name, dtype, shape)
+        if end - begin != info.nbytes or begin < 0:
+            raise unsupported(f"{path.name}: tensor {name!r} has inconsistent offsets")
+        if end > data_size:
+            raise unsupported(f"{path.name}: truncated (tensor {name!r} ends past the end of the file)")
+        tensors.append((begin, info))
+    if not tensors:
+        raise unsupported(f"{path.name}: holds no tensor")
+    return [info for _, info in sorted(tensors, key=lambda t: t[0])]
+
+
+def _inside(path: Path, roots: Iterable[Path]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
+def resolve_checkpoint(path: str, allowed_roots: list[Path]) -> list[Path]:
+    """The safetensors files `path` (a file, a directory or an index) leads to, each real
+    path inside an allowed root. Raises PATH_INVALID / PATH_NOT_FOUND / PATH_NOT_ALLOWED /
+    UNSUPPORTED_FORMAT; never reads tensor data."""
+    if not path or "\0" in path or len(path.encode()) > MAX_PATH_BYTES or not os.path.isabs(path):
+        raise invalid_field(Reason.PATH_INVALID, "path",
+                            f"an absolute path of at most {MAX_PATH_BYTES} bytes, without NUL")
+    roots = [Path(os.path.realpath(root)) for root in allowed_roots]
+
+    def allowed(candidate: Path) -> Path:
+        real = Path(os.path.realpath(candidate))
+        if not _inside(real, roots):
+            raise ControlPlaneError(
+                grpc.StatusCode.PERMISSION_DENIED, Reason.PATH_NOT_ALLOWED,
+                f"{candidate} resolves to {real}, outside every allowed weight root "
+                "(--allow-weights-from; see GetServerInfo.allowed_weight_roots)",
+                metadata={"real_path": str(real)},
+            )
+        if not real.exists():
+            raise ControlPlaneError(grpc.StatusCode.NOT_FOUND, Reason.PATH_NOT_FOUND, f"{candidate} does not exist")
+        return real
+
+    # Check the path itself first: outside the roots is refused before its existence is told.
+    target = allowed(Path(path))
+    if target.is_dir():
+        indexes = sorted(target.glob(f"*{INDEX_SUFFIX}"))
+        if indexes:
+            return _index_files(allowed(indexes[0]), allowed)
+        files = sorted(target.glob("*.safetensors"))
+        if not files:
+            others = sorted(p.name for p in target.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf", ".ckpt"))
+            raise unsupported(f"{path}: no .safetensors file" + (f" (found {', '.join(others[:5])}: only safetensors is loaded)" if others else ""))
+        return [allowed(f) for f in files]
+    if target.name.endswith(INDEX_SUFFIX):
+        return _index_files(target, allowed)
+    return [target]
+
+
+def _index_files(index: Path, allowed: object) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError):
+        raise unsupported(f"{index.name}: not a safetensors index (no weight_map)") from None
+    files = []
+    for name in names:
+        if "/" in name or name.startswith("."):
+            raise unsupported(f"{index.name}: names a file outside its directory: {name!r}")
+        files.append(allowed(index.parent / name))  # type: ignore[operator]
+    return files
+
+
+def checkpoint_tensors(model: str) -> dict[str, TensorInfo]:
+    """The tensors of the checkpoint the engine was started from (names, dtypes, shapes),
+    which define what an update may send. Empty if that checkpoint is not local safetensors."""
+    directory = Path(model)
+    if not directory.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            directory = Path(snapshot_download(model, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not a local or cached model: nothing to check against
+            return {}
+    try:
+        files = resolve_checkpoint(str(directory.resolve()), [directory.resolve()])
+        return {info.name: info for file in files for info in read_header(file)}
+    except ControlPlaneError:
+        return {}

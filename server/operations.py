@@ -1,0 +1,169 @@
+"""Long-running operations (AIP-151) for weight updates, and google.longrunning.Operations.
+
+Runs in the `enginectl serve` process, on the control loop. An `UpdateOperation` is created
+once an update passed validation; its metadata (UpdateWeightsMetadata) is updated in place as
+the update moves through its phases; it ends with a response (UpdateWeightsResponse) or an
+error (google.rpc.Status). Finished operations are kept for the last `retained` updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import grpc
+from google.longrunning import operations_pb2, operations_pb2_grpc
+from google.protobuf import any_pb2, empty_pb2
+from google.rpc import status_pb2
+
+from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
+from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+MAX_RETAINED = 64
+MAX_PAGE_SIZE = 100
+MAX_WAIT_S = 3600.0
+
+
+class UpdateOperation:
+    """One weight update as an Operation; mutated only on the control loop."""
+
+    def __init__(self, name: str, metadata: pb2.UpdateWeightsMetadata) -> None:
+        self.name = name
+        self.metadata = metadata
+        self.response: pb2.UpdateWeightsResponse | None = None
+        self.error: status_pb2.Status | None = None
+        self.finished = asyncio.Event()
+        # Set by CancelOperation; the update's driver reacts to it.
+        self.cancel_requested = asyncio.Event()
+        self.on_cancel: Callable[[], None] | None = None
+        self.on_abort: Callable[[str, str], None] | None = None
+        # The error as raised, for calls that end with it (the tensor stream).
+        self.failure: ControlPlaneError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def touch(self) -> None:
+        self.metadata.update_time.FromNanoseconds(time.time_ns())
+
+    def finish(self, *, response: pb2.UpdateWeightsResponse | None = None,
+               error: status_pb2.Status | None = None) -> None:
+        self.response, self.error = response, error
+        self.metadata.end_time.FromNanoseconds(time.time_ns())
+        self.touch()
+        self.finished.set()
+
+    def proto(self) -> operations_pb2.Operation:
+        op = operations_pb2.Operation(name=self.name, done=self.done)
+        op.metadata.Pack(self.metadata)
+        if self.error is not None:
+            op.error.CopyFrom(self.error)
+        elif self.response is not None:
+            response = any_pb2.Any()
+            response.Pack(self.response)
+            op.response.CopyFrom(response)
+        return op
+
+
+class OperationStore:
+    """The operations of this incarnation, newest last; finished ones beyond `retained` go."""
+
+    def __init__(self, retained: int = MAX_RETAINED) -> None:
+        self._ops: OrderedDict[str, UpdateOperation] = OrderedDict()
+        self._retained = retained
+
+    def add(self, op: UpdateOperation) -> None:
+        self._ops[op.name] = op
+        finished = [name for name, o in self._ops.items() if o.done]
+        for name in finished[: max(0, len(finished) - self._retained)]:
+            del self._ops[name]
+
+    def find(self, name: str) -> UpdateOperation | None:
+        return self._ops.get(name)
+
+    def get(self, name: str) -> UpdateOperation:
+        if not name.startswith("operations/"):
+            raise invalid_field(Reason.OPERATION_NAME_INVALID, "name", 'must look like "operations/<id>"')
+        op = self._ops.get(name)
+        if op is None:
+            raise ControlPlaneError(grpc.StatusCode.NOT_FOUND, Reason.OPERATION_NOT_FOUND,
+                                    f"no operation {name!r} in this incarnation (or it was evicted)")
+        return op
+
+    def delete(self, name: str) -> None:
+        self._ops.pop(name, None)
+
+    def list(self) -> list[UpdateOperation]:
+        return list(reversed(self._ops.values()))  # newest first
+
+
+class OperationsServicer(operations_pb2_grpc.OperationsServicer):
+    """google.longrunning.Operations over an OperationStore."""
+
+    def __init__(self, store: OperationStore) -> None:
+        self._store = store
+
+    async def GetOperation(self, request: operations_pb2.GetOperationRequest,
+                           context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
+        return self._store.get(request.name).proto()
+
+    async def ListOperations(self, request: operations_pb2.ListOperationsRequest,
+                             context: grpc.aio.ServicerContext) -> operations_pb2.ListOperationsResponse:
+        if request.filter not in ("", "done=true", "done=false"):
+            raise invalid_field(Reason.FILTER_INVALID, "filter", 'only "", "done=true" or "done=false"')
+        if request.page_size < 0:
+            raise invalid_field(Reason.PAGE_SIZE_INVALID, "page_size", "must not be negative")
+        ops = self._store.list()
+        if request.filter:
+            want = request.filter == "done=true"
+            ops = [op for op in ops if op.done == want]
+        start = 0
+        if request.page_token:
+            try:
+                start = int(request.page_token)
+            except ValueError:
+                raise invalid_field(Reason.PAGE_TOKEN_INVALID, "page_token", "not a token from a previous page") from None
+        size = min(request.page_size or MAX_PAGE_SIZE, MAX_PAGE_SIZE)
+        page = ops[start:start + size]
+        response = operations_pb2.ListOperationsResponse(operations=[op.proto() for op in page])
+        if start + size < len(ops):
+            response.next_page_token = str(start + size)
+        return response
+
+    async def WaitOperation(self, request: operations_pb2.WaitOperationRequest,
+                            context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
+        op = self._store.get(request.name)
+        timeout = MAX_WAIT_S
+        if request.HasField("timeout"):
+            timeout = request.timeout.ToTimedelta().total_seconds()
+            if timeout <= 0:
+                raise invalid_field(Reason.TIMEOUT_INVALID, "timeout", "must be positive")
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = min(timeout, max(remaining - 0.05, 0.0))
+        try:
+            await asyncio.wait_for(op.finished.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass  # AIP-151: return the operation as it is, not done yet
+        return op.proto()
+
+    async def CancelOperation(self, request: operations_pb2.CancelOperationRequest,
+                              context: grpc.aio.ServicerContext) -> empty_pb2.Empty:
+        op = self._store.get(request.name)
+        if not op.done:
+            op.cancel_requested.set()
+            if op.on_cancel is not None:
+                op.on_cancel()
+        return empty_pb2.Empty()
+
+    async def DeleteOperation(self, request: operations_pb2.DeleteOperationRequest,
+                              context: grpc.aio.ServicerContext) -> empty_pb2.Empty:
+        op = self._store.get(request.name)
+        if not op.done:
+            raise ControlPlaneError(grpc.StatusCode.FAILED_PRECONDITION, Reason.OPERATION_RUNNING,
+                                    f"{op.name} is still running; cancel it first")
+        self._store.delete(op.name)
+        return empty_pb2.Empty()

@@ -1,0 +1,404 @@
+"""Weight loading, fingerprints and private broadcast groups inside vLLM's workers.
+
+Runs INSIDE every vLLM worker process (vLLM's `worker_extension_cls`); the `enginectl serve`
+process reaches these methods through `collective_rpc` on every EngineCore. Nothing here
+imports gRPC: plans and results are plain dicts.
+
+Loading always goes through the worker's own `reload_weights(weights_iterator=...)` (on the
+CPU build a bare `model.load_weights` fails: linear layers were repacked after load). The
+iterator handed to vLLM never raises: when the source fails (a broken sender, a deadline, an
+abort from the server) it stops early and records why, so vLLM still finalises every layer
+and the model stays usable; the server then knows whether any tensor was written
+(`weights_modified`) and reports a partial update.
+
+Data and control reach the worker over ZMQ from the server: a PULL socket per update carries
+stream chunks (tensor stream) and `abort` frames (CancelOperation, timeout, broken stream);
+progress goes back on a PUSH socket.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import queue
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+import enginectl.worker.engine_utilities  # noqa: F401  (attaches the EngineCore utility)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
+    "int64": torch.int64, "uint8": torch.uint8, "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+}
+SAMPLE_ELEMENTS = 256  # per tensor, in the default (sampled) fingerprint
+PROGRESS_INTERVAL_S = 0.05
+POLL_MS = 20
+
+
+class Abort(Exception):
+    """The update must stop: `cause` is a stable reason (UPDATE_CANCELLED, UPDATE_TIMEOUT, ...)."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+@dataclass
+class _Group:
+    name: str
+    pg: Any
+    rank: int
+    world_size: int
+    broken: str | None = None
+    # Receive buffers by (name, dtype, shape), reused across updates: fresh pages are slow.
+    buffers: dict[tuple[str, str, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
+
+
+class _Channel:
+    """The worker's end of one update's ZMQ data/control channel."""
+
+    def __init__(self, plan: dict[str, Any], dp_rank: int) -> None:
+        self._ctx = zmq.Context.instance()
+        self.data = self._ctx.socket(zmq.PULL)
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.connect(plan["data_endpoints"][dp_rank])
+        self.progress_socket = self._ctx.socket(zmq.PUSH)
+        self.progress_socket.setsockopt(zmq.LINGER, 0)
+        self.progress_socket.setsockopt(zmq.SNDHWM, 4)
+        self.progress_socket.connect(plan["progress_endpoint"])
+        self.deadline = float(plan["deadline"])  # time.time() based
+        # On the tensor stream, data frames are the payload: only recv() may read them.
+        self._peek_aborts = plan["source"] != "tensors"
+        self.dp_rank = dp_rank
+        self._last_progress = 0.0
+
+    def check(self) -> None:
+        """Raise Abort if the server sent one or the deadline passed; never blocks."""
+        if time.time() > self.deadline:
+            raise Abort("UPDATE_TIMEOUT", "the update's timeout elapsed")
+        while self._peek_aborts and self.data.poll(0):
+            self._handle(self.data.recv_multipart(copy=False))
+
+    def recv(self) -> list[Any]:
+        """The next data message (stream chunk or end); raises Abort on abort/deadline."""
+        while True:
+            remaining = self.deadline - time.time()
+            if remaining <= 0:
+                raise Abort("UPDATE_TIMEOUT", "the update's timeout elapsed while receiving")
+            if self.data.poll(min(POLL_MS * 10, int(remaining * 1000) + 1)):
+                frames = self.data.recv_multipart(copy=False)
+                self._handle(frames)
+                return frames
+
+    @staticmethod
+    def _handle(frames: list[Any]) -> None:
+        if bytes(frames[0].buffer) == b"abort":
+            cause, message = bytes(frames[1].buffer).decode(), bytes(frames[2].buffer).decode()
+            raise Abort(cause, message)
+
+    def progress(self, tensors: int, nbytes: int, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_progress < PROGRESS_INTERVAL_S:
+            return
+        self._last_progress = now
+        try:
+            self.progress_socket.send(struct.pack("<iIQ", self.dp_rank, tensors, nbytes), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def close(self) -> None:
+        self.data.close(0)
+        self.progress_socket.close(0)
+
+
+@dataclass
+class _LoadState:
+    yielded: int = 0
+    loaded: int = 0
+    nbytes: int = 0
+    error: tuple[str, str] | None = None
+
+
+class EnginectlWorkerExtension:
+    """Mixed into vLLM's worker class (`--worker-extension-cls`); see the module docstring."""
+
+    # --- identity of this worker -------------------------------------------------------
+
+    def _enginectl_dp_rank(self) -> int:
+        parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        return int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank) or 0)
+
+    def _enginectl_global_rank(self) -> int:
+        """This worker's index among all workers of all DP ranks."""
+        parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        return self._enginectl_dp_rank() * parallel.world_size + int(self.rank)  # type: ignore[attr-defined]
+
+    def _enginectl_groups(self) -> dict[str, _Group]:
+        groups = getattr(self, "_enginectl_group_table", None)
+        if groups is None:
+            groups = {}
+            self._enginectl_group_table = groups
+        return groups
+
+    # --- loading -----------------------------------------------------------------------
+
+    def enginectl_load(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """Load the weights `plan` names; returns this worker's result (never raises)."""
+        started = time.monotonic()
+        dp_rank = self._enginectl_dp_rank()
+        state = _LoadState()
+        channel = _Channel(plan, dp_rank)
+        try:
+            source = plan["source"]
+            if source == "disk":
+                tensors = self._enginectl_disk_tensors(plan)
+            elif source == "tensors":
+                tensors = self._enginectl_stream_tensors(plan, channel)
+            elif source == "distributed":
+                tensors = self._enginectl_broadcast_tensors(plan, channel)
+            else:
+                raise ValueError(f"unknown source {source!r}")
+
+            def guarded() -> Iterator[tuple[str, torch.Tensor]]:
+                try:
+                    for name, tensor in tensors:
+                        channel.check()
+                        state.yielded += 1
+                        yield name, tensor
+                        state.loaded += 1
+                        state.nbytes += tensor.numel() * tensor.element_size()
+                        channel.progress(state.loaded, state.nbytes)
+                except Abort as exc:
+                    state.error = (exc.cause, str(exc))
+                except Exception as exc:  # a broken sender, a truncated file, ...
+                    state.error = (_cause_of(exc, source), f"{type(exc).__name__}: {exc}")
+
+            try:
+                self.reload_weights(weights_iterator=guarded())  # type: ignore[attr-defined]
+            except Exception as exc:
+                state.error = state.error or ("LOAD_FAILED", f"{type(exc).__name__}: {exc}")
+                _finalize_after_failure(self)
+        except Exception as exc:
+            state.error = state.error or ("LOAD_FAILED", f"{type(exc).__name__}: {exc}")
+        finally:
+            channel.progress(state.loaded, state.nbytes, force=True)
+            channel.close()
+        return {
+            "dp_rank": dp_rank,
+            "worker_rank": int(self.rank),  # type: ignore[attr-defined]
+            "tensors_loaded": state.loaded,
+            "bytes_loaded": state.nbytes,
+            "weights_modified": state.yielded > 0,
+            "duration": time.monotonic() - started,
+            "error": list(state.error) if state.error else None,
+        }
+
+    def _enginectl_disk_tensors(self, plan: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for file in plan["files"]:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+
+    def _enginectl_stream_tensors(
+        self, plan: dict[str, Any], channel: _Channel
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors from stream chunks, each yielded as soon as its last byte arrived."""
+        specs = plan["tensors"]
+        total = sum(_nbytes(spec) for spec in specs)
+        buffer = _reusable_buffer(self, total)
+        view = memoryview(buffer.numpy())
+        received = 0
+        index, start = 0, 0
+        while index < len(specs):
+            frames = channel.recv()
+            kind = bytes(frames[0].buffer)
+            if kind == b"end":
+                raise Abort("DATA_SIZE_MISMATCH", f"the stream ended after {received} of {total} bytes")
+            (offset,) = struct.unpack("<Q", bytes(frames[1].buffer))
+            data = frames[2].buffer
+            view[offset:offset + len(data)] = data
+            received = offset + len(data)
+            while index < len(specs) and start + _nbytes(specs[index]) <= received:
+                name, dtype, shape = specs[index]
+                size = _nbytes(specs[index])
+                tensor = buffer[start:start + size].view(DTYPES[dtype]).reshape(shape)
+                start += size
+                index += 1
+                yield name, tensor
+
+    def _enginectl_broadcast_tensors(
+        self, plan: dict[str, Any], channel: _Channel
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors broadcast by the trainer (group rank 0), received on a thread so that
+        receiving the next tensor overlaps loading this one."""
+        group = self._enginectl_groups().get(plan["group"])
+        if group is None:
+            raise Abort("GROUP_NOT_FOUND", f"no update group {plan['group']!r} on this worker")
+        if group.broken:
+            raise Abort("GROUP_BROKEN", group.broken)
+        received: queue.Queue[tuple[str, torch.Tensor] | BaseException | None] = queue.Queue(maxsize=2)
+        stop = threading.Event()
+
+        def receive() -> None:
+            try:
+                for name, dtype, shape in plan["tensors"]:
+                    key = (name, dtype, tuple(shape))
+                    tensor = group.buffers.get(key)
+                    if tensor is None:
+                        tensor = group.buffers[key] = torch.empty(shape, dtype=DTYPES[dtype])
+                    group.pg.broadcast(tensor, 0).wait()
+                    while not stop.is_set():
+                        try:
+                            received.put((name, tensor), timeout=POLL_MS / 1000)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                received.put(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
+                group.broken = f"{type(exc).__name__}: {exc}"
+                received.put(exc)
+
+        thread = threading.Thread(target=receive, name=f"enginectl-recv-{group.name}", daemon=True)
+        thread.start()
+        try:
+            while True:
+                channel.check()
+                try:
+                    item = received.get(timeout=POLL_MS / 1000)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise Abort("GROUP_TIMEOUT" if "imeout" in str(item) else "STREAM_BROKEN",
+                                f"the broadcast failed: {type(item).__name__}: {item}")
+                yield item
+        finally:
+            stop.set()
+            if thread.is_alive():
+                # Blocked in a receive: the group can not be trusted again; the server destroys it.
+                group.broken = group.broken or "an update stopped while receiving through this group"
+
+    # --- process groups ----------------------------------------------------------------
+
+    def enginectl_init_group(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Join the private group `spec["name"]` (own TCPStore + PrefixStore); vLLM's own
+        process groups are never touched. Raises on failure (the server reports it)."""
+        groups = self._enginectl_groups()
+        if spec["name"] in groups:
+            raise RuntimeError(f"group {spec['name']!r} exists on this worker")
+        rank = int(spec["rank_offset"]) + self._enginectl_global_rank()
+        timeout = datetime.timedelta(seconds=float(spec["timeout"]))
+        store = torch.distributed.TCPStore(
+            spec["master_address"], int(spec["master_port"]), int(spec["world_size"]),
+            is_master=False, timeout=timeout, wait_for_workers=False,
+        )
+        prefixed = torch.distributed.PrefixStore(f"enginectl/{spec['name']}", store)
+        if spec["backend"] == "nccl":
+            options = torch.distributed.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            pg: Any = torch.distributed.ProcessGroupNCCL(prefixed, rank, int(spec["world_size"]), options)
+        else:
+            pg = torch.distributed.ProcessGroupGloo(prefixed, rank, int(spec["world_size"]), timeout)
+        groups[spec["name"]] = _Group(spec["name"], pg, rank, int(spec["world_size"]))
+        # A first barrier-like broadcast proves every member joined before we answer.
+        probe = torch.zeros(1, dtype=torch.int64)
+        pg.broadcast(probe, 0).wait()
+        return {"dp_rank": self._enginectl_dp_rank(), "rank": rank}
+
+    def enginectl_destroy_group(self, name: str) -> bool:
+        group = self._enginectl_groups().pop(name, None)
+        if group is None:
+            return False
+        group.buffers.clear()
+        # Dropping the last reference closes gloo's connections (no collective needed).
+        del group
+        return True
+
+    # --- fingerprints ------------------------------------------------------------------
+
+    def enginectl_fingerprint(self, full: bool = False) -> dict[str, Any]:
+        """Digest of the weights in memory now: every parameter (sampled, or whole with
+        `full`) plus, for linear layers whose weights vLLM repacked into an opaque kernel
+        (CPU build), the layer's output for a fixed probe input."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        digest = hashlib.blake2b(digest_size=16)
+        probes = 0
+        with torch.inference_mode():
+            for name, tensor in sorted(model.state_dict(keep_vars=False).items()):
+                if tensor.numel() == 0 or tensor.is_meta:
+                    continue
+                digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+                flat = tensor.detach().contiguous().reshape(-1)
+                if not full and flat.numel() > SAMPLE_ELEMENTS:
+                    index = torch.linspace(0, flat.numel() - 1, SAMPLE_ELEMENTS).long()
+                    flat = flat[index].contiguous()
+                digest.update(flat.view(torch.uint8).numpy().tobytes())
+            for name, module in sorted(model.named_modules()):
+                linear = getattr(module, "cpu_linear", None)
+                weight = getattr(module, "weight", None)
+                if linear is None or weight is None or weight.numel() > 0:
+                    continue  # the weight itself is hashed above
+                in_features = int(getattr(module, "input_size_per_partition", 0) or getattr(module, "input_size", 0))
+                if in_features <= 0:
+                    continue
+                generator = torch.Generator().manual_seed(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
+                probe = torch.randn(1, in_features, generator=generator).to(weight.dtype)
+                out = linear(probe, weight, None)
+                digest.update(name.encode())
+                digest.update(out.float().contiguous().view(torch.uint8).numpy().tobytes())
+                probes += 1
+        method = ("full" if full else f"sampled{SAMPLE_ELEMENTS}") + "-blake2b" + ("+gemv-probe" if probes else "")
+        return {
+            "dp_rank": self._enginectl_dp_rank(),
+            "worker_rank": int(self.rank),  # type: ignore[attr-defined]
+            "digest": digest.hexdigest(),
+            "method": method,
+        }
+
+
+def _nbytes(spec: list[Any]) -> int:
+    name, dtype, shape = spec
+    numel = 1
+    for dim in shape:
+        numel *= int(dim)
+    return numel * DTYPES[dtype].itemsize
+
+
+def _reusable_buffer(worker: Any, size: int) -> torch.Tensor:
+    """A uint8 receive buffer of `size` bytes, reused across updates when it fits."""
+    buffer = getattr(worker, "_enginectl_stream_buffer", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = torch.empty(size, dtype=torch.uint8)
+        worker._enginectl_stream_buffer = buffer
+    return buffer[:size]
+
+
+def _cause_of(exc: Exception, source: str) -> str:
+    if source == "distributed":
+        return "STREAM_BROKEN"
+    return "LOAD_FAILED"
+
+
+def _finalize_after_failure(worker: Any) -> None:
+    """vLLM's reload raised between its layerwise initialise and finalise: finalise anyway
+    so every layer is back in kernel form (with whatever weights it holds)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
+    except Exception:  # noqa: BLE001 - best effort; the update is reported failed already
+        pass
