@@ -109,6 +109,14 @@ class EngineAdapter:
         except Exception as exc:
             raise _engine_dead(f"{method} failed on the engine: {exc}") from exc
 
+    async def call_each(self, method: str, *args: Any, timeout: float) -> list[RankOutcome]:
+        """Call an EngineCore utility on every DP rank, each call on its own and bounded by
+        `timeout`: one outcome per rank, in rank order. Unlike `call_all`, a rank that raises
+        or does not answer in time is named while the others' answers are kept."""
+        if self._llm.errored:
+            raise _engine_dead("the engine has died")
+        return await run_on(self._loop, _call_each(self._llm.engine_core, method, args, timeout))
+
     async def set_weight_version(self, version: str) -> None:
         """Stamp generated outputs with `version` on every rank (RequestOutput.weight_versions)."""
         await self.call_all("set_weight_version", version)
@@ -124,6 +132,41 @@ class EngineAdapter:
         except Exception:  # keep going: the children must still be reaped
             log.exception("engine shutdown raised")
         reap_children(timeout)
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """One rank's answer to `call_each`: `result`, or a `failure` reason ("RANK_TIMEOUT",
+    "RANK_ERROR" or "ENGINE_DEAD") with a message."""
+
+    dp_rank: int
+    result: Any = None
+    failure: str = ""
+    message: str = ""
+
+
+async def _call_each(core: Any, method: str, args: tuple[Any, ...], timeout: float) -> list[RankOutcome]:
+    """Runs on the engine's loop: one utility call per EngineCore, all started at once."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    ranks = [int.from_bytes(engine, "little") for engine in core.core_engines]
+    calls = [
+        asyncio.ensure_future(core._call_utility_async(method, *args, engine=engine))
+        for engine in core.core_engines
+    ]
+    await asyncio.wait(calls, timeout=max(timeout, 0.0))
+    outcomes = []
+    for rank, call in zip(ranks, calls):
+        if not call.done():
+            call.cancel()
+            outcomes.append(RankOutcome(rank, failure="RANK_TIMEOUT", message=f"no answer within {timeout:.3f}s"))
+        elif isinstance(call.exception(), EngineDeadError):
+            outcomes.append(RankOutcome(rank, failure="ENGINE_DEAD", message=str(call.exception())))
+        elif call.exception() is not None:
+            outcomes.append(RankOutcome(rank, failure="RANK_ERROR", message=str(call.exception())))
+        else:
+            outcomes.append(RankOutcome(rank, result=call.result()))
+    return outcomes
 
 
 def reap_children(timeout: float) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import grpc
 from google.protobuf import any_pb2
+from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from enginectl.client.errors import DOMAIN, FieldViolation, Reason
@@ -29,6 +30,7 @@ class ControlPlaneError(Exception):
         *,
         metadata: Mapping[str, str] | None = None,
         field_violations: Sequence[FieldViolation] = (),
+        details: Sequence[Message] = (),
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -36,6 +38,7 @@ class ControlPlaneError(Exception):
         self.message = message
         self.metadata = dict(metadata or {})
         self.field_violations = tuple(field_violations)
+        self.details = tuple(details)  # further status details, e.g. IdentitySyncFailure
 
     def __repr__(self) -> str:
         return f"ControlPlaneError({self.code.name}, {self.reason}, {self.message!r})"
@@ -63,6 +66,7 @@ def to_status(err: ControlPlaneError) -> status_pb2.Status:
             ]
         )
         details.append(_pack(bad))
+    details.extend(_pack(detail) for detail in err.details)
     return status_pb2.Status(
         code=getattr(code_pb2, err.code.name), message=err.message, details=details
     )

@@ -72,7 +72,8 @@ class SetWorkerIdentityRequest(_message.Message):
     TIMEOUT_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Required. The worker id to stamp on every sample of every rank: any non-empty UTF-8
-    string of at most 256 bytes, e.g. the planner's name for this replica.
+    string of at most 256 bytes without control characters (it ends up in logs, metric
+    labels and planner keys), e.g. the planner's name for this replica.
     """
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:

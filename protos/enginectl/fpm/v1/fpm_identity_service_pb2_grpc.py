@@ -70,6 +70,7 @@ class FpmIdentityServiceServicer:
         Errors:
         INVALID_ARGUMENT  WORKER_ID_REQUIRED    `worker_id` missing or empty.
         INVALID_ARGUMENT  WORKER_ID_TOO_LONG    `worker_id` over 256 bytes of UTF-8.
+        INVALID_ARGUMENT  WORKER_ID_INVALID     `worker_id` contains a control character.
         INVALID_ARGUMENT  TIMEOUT_INVALID       `timeout` negative, zero, or over 300 s.
         DEADLINE_EXCEEDED IDENTITY_SYNC_FAILED  at least one rank did not ack in time.
         UNAVAILABLE       IDENTITY_SYNC_FAILED  at least one rank failed to apply it (error or

@@ -63,6 +63,7 @@ class FpmIdentityServiceStub:
     Errors:
       INVALID_ARGUMENT  WORKER_ID_REQUIRED    `worker_id` missing or empty.
       INVALID_ARGUMENT  WORKER_ID_TOO_LONG    `worker_id` over 256 bytes of UTF-8.
+      INVALID_ARGUMENT  WORKER_ID_INVALID     `worker_id` contains a control character.
       INVALID_ARGUMENT  TIMEOUT_INVALID       `timeout` negative, zero, or over 300 s.
       DEADLINE_EXCEEDED IDENTITY_SYNC_FAILED  at least one rank did not ack in time.
       UNAVAILABLE       IDENTITY_SYNC_FAILED  at least one rank failed to apply it (error or
@@ -110,6 +111,7 @@ class FpmIdentityServiceAsyncStub(FpmIdentityServiceStub):
     Errors:
       INVALID_ARGUMENT  WORKER_ID_REQUIRED    `worker_id` missing or empty.
       INVALID_ARGUMENT  WORKER_ID_TOO_LONG    `worker_id` over 256 bytes of UTF-8.
+      INVALID_ARGUMENT  WORKER_ID_INVALID     `worker_id` contains a control character.
       INVALID_ARGUMENT  TIMEOUT_INVALID       `timeout` negative, zero, or over 300 s.
       DEADLINE_EXCEEDED IDENTITY_SYNC_FAILED  at least one rank did not ack in time.
       UNAVAILABLE       IDENTITY_SYNC_FAILED  at least one rank failed to apply it (error or
@@ -160,6 +162,7 @@ class FpmIdentityServiceServicer(metaclass=_abc_1.ABCMeta):
         Errors:
           INVALID_ARGUMENT  WORKER_ID_REQUIRED    `worker_id` missing or empty.
           INVALID_ARGUMENT  WORKER_ID_TOO_LONG    `worker_id` over 256 bytes of UTF-8.
+          INVALID_ARGUMENT  WORKER_ID_INVALID     `worker_id` contains a control character.
           INVALID_ARGUMENT  TIMEOUT_INVALID       `timeout` negative, zero, or over 300 s.
           DEADLINE_EXCEEDED IDENTITY_SYNC_FAILED  at least one rank did not ack in time.
           UNAVAILABLE       IDENTITY_SYNC_FAILED  at least one rank failed to apply it (error or

@@ -1,0 +1,278 @@
+"""FpmPublisher: makes a rank's forward-pass metrics samples and sends them to the relay.
+
+Runs inside each EngineCore process. Two threads touch it:
+- the engine thread (through the FPM scheduler) reports each step once its output is
+  processed (`step_finished`). A non-empty step becomes a STEP sample. This path never blocks: the sample goes into a bounded queue, and when the
+  queue is full it is dropped and counted in the next published sample's
+  `dropped_since_last`;
+- the publisher thread (owned here) drains the queue, builds and serializes the protobuf,
+  sends it on a ZMQ (X)PUB socket connected to the relay's `ipc://` endpoint, and makes a
+  HEARTBEAT sample whenever no sample was made for the heartbeat interval (HeartbeatTimer).
+
+Every sample is stamped, when it is made, with the identity held in the one WorkerIdentity
+of the rank, and gets the next `counter_id` (from 1, dropped samples included).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import zmq
+
+from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
+from enginectl.worker.fpm_identity import IdentityState, WorkerIdentity
+from enginectl.worker.fpm_load import EMPTY_QUEUE, NO_STEP, QueuedLoad, ScheduledLoad
+from enginectl.worker.fpm_timing import DEFAULT_HEARTBEAT_INTERVAL_S, HeartbeatTimer
+
+log = logging.getLogger("enginectl.worker.fpm")
+
+SCHEMA_VERSION = 1
+CONFIG_KEY = "enginectl"  # vllm_config.additional_config[CONFIG_KEY] (the serve <-> worker contract)
+DEFAULT_QUEUE_SIZE = 4096
+SEND_HWM = 4096
+CLOSE_TIMEOUT_S = 2.0
+SUBSCRIBE_WAIT_S = 10.0
+# While samples flow, the publisher thread polls its queue every POLL_INTERVAL_S (the most it
+# adds to a sample's latency) instead of being woken per sample; after ACTIVE_WINDOW_S without
+# one it sleeps until woken by the next sample or its heartbeat.
+POLL_INTERVAL_S = 0.001
+ACTIVE_WINDOW_S = 0.1
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    """What `enginectl serve` hands every EngineCore through vLLM's additional_config."""
+
+    endpoint: str  # the relay's ZMQ SUB endpoint; "" publishes nothing
+    worker_id: str = ""
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    incarnation: str = ""
+    queue_size: int = DEFAULT_QUEUE_SIZE
+
+    @classmethod
+    def from_additional_config(cls, additional: Any) -> PublisherConfig:
+        section: Mapping[str, Any] = {}
+        if isinstance(additional, Mapping):
+            section = additional.get(CONFIG_KEY) or {}
+        return cls(
+            endpoint=str(section.get("fpm_endpoint") or ""),
+            worker_id=str(section.get("worker_id") or ""),
+            heartbeat_interval_s=float(section.get("heartbeat_interval_s") or DEFAULT_HEARTBEAT_INTERVAL_S),
+            # Never empty on the wire: a server that did not choose one still gets a unique id.
+            incarnation=str(section.get("incarnation") or secrets.token_hex(8)),
+        )
+
+
+class Sample(NamedTuple):
+    """A sample as made on the engine or heartbeat path, before it becomes a protobuf (a
+    NamedTuple: cheap to build on the engine thread)."""
+
+    kind: int
+    counter_id: int
+    identity: IdentityState
+    emit_time_ns: int
+    wall_time: float
+    idle: bool
+    scheduled: ScheduledLoad
+    queued: QueuedLoad
+    kv_cache_usage: float
+    num_running: int
+    num_waiting: int
+    dropped_since_last: int
+
+
+def sample_proto(sample: Sample, dp_rank: int, incarnation: str) -> fpm_pb2.ForwardPassMetrics:
+    """The ForwardPassMetrics message for `sample` (`sequence`, `weight_revision` left to the relay)."""
+    s, q = sample.scheduled, sample.queued
+    msg = fpm_pb2.ForwardPassMetrics(
+        schema_version=SCHEMA_VERSION,
+        worker_id=sample.identity.worker_id,
+        dp_rank=dp_rank,
+        counter_id=sample.counter_id,
+        identity_generation=sample.identity.generation,
+        incarnation=incarnation,
+        wall_time=sample.wall_time,
+        idle=sample.idle,
+        scheduled=fpm_pb2.ScheduledRequestMetrics(
+            num_prefill_requests=s.num_prefill_requests,
+            sum_prefill_tokens=s.sum_prefill_tokens,
+            var_prefill_length=s.var_prefill_length,
+            sum_prefill_kv_tokens=s.sum_prefill_kv_tokens,
+            num_decode_requests=s.num_decode_requests,
+            sum_decode_kv_tokens=s.sum_decode_kv_tokens,
+            var_decode_kv_tokens=s.var_decode_kv_tokens,
+        ),
+        queued=fpm_pb2.QueuedRequestMetrics(
+            num_prefill_requests=q.num_prefill_requests,
+            sum_prefill_tokens=q.sum_prefill_tokens,
+            var_prefill_length=q.var_prefill_length,
+            num_decode_requests=q.num_decode_requests,
+            sum_decode_kv_tokens=q.sum_decode_kv_tokens,
+            var_decode_kv_tokens=q.var_decode_kv_tokens,
+        ),
+        kv_cache_usage=sample.kv_cache_usage,
+        num_running=sample.num_running,
+        num_waiting=sample.num_waiting,
+        dropped_since_last=sample.dropped_since_last,
+        kind=sample.kind,
+    )
+    msg.emit_time.FromNanoseconds(sample.emit_time_ns)
+    return msg
+
+
+class FpmPublisher:
+    """One rank's sample maker and its publisher thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: PublisherConfig,
+        *,
+        dp_rank: int,
+        identity: WorkerIdentity,
+        activity: Callable[[], tuple[int, int, int]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.dp_rank = dp_rank
+        self.identity = identity
+        # (steps in flight, running requests, waiting requests) of the rank, read on heartbeats
+        self._activity = activity
+        self._lock = threading.Lock()  # guards the counter, the drop count and the timer's clock
+        self._timer = HeartbeatTimer(config.heartbeat_interval_s, clock)
+        # The bounded queue: a deque (appends are atomic); the engine thread wakes the publisher
+        # thread only when it sleeps after a quiet spell (see POLL_INTERVAL_S).
+        self._queue: deque[Sample] = deque()
+        self._wake = threading.Condition(threading.Lock())
+        self._sleeping = False
+        self._counter = 0
+        self._dropped = 0
+        self._last_queued = EMPTY_QUEUE  # heartbeats repeat the latest known queue and usage
+        self._last_kv_usage = 0.0
+        self._send_drops = 0  # publisher thread only
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="enginectl-fpm-publisher", daemon=True)
+
+    def start(self) -> FpmPublisher:
+        self._thread.start()
+        return self
+
+    # -- engine thread ---------------------------------------------------------------------
+    def step_finished(
+        self,
+        wall_time: float,
+        scheduled: ScheduledLoad | None,
+        queued: QueuedLoad,
+        kv_cache_usage: float,
+        num_running: int,
+        num_waiting: int,
+    ) -> None:
+        """A step's output was processed; `scheduled` is None for an empty step (no sample)."""
+        self._last_queued, self._last_kv_usage = queued, kv_cache_usage
+        if scheduled is not None:
+            with self._lock:
+                self._make(fpm_pb2.SAMPLE_KIND_STEP, wall_time, False, scheduled, num_running, num_waiting)
+
+    # -- both threads, under the lock ------------------------------------------------------
+    def _make(self, kind: int, wall_time: float, idle: bool, scheduled: ScheduledLoad,
+              num_running: int, num_waiting: int) -> None:
+        self._counter += 1
+        self._timer.sample_made()
+        if len(self._queue) >= self.config.queue_size:
+            self._dropped += 1
+            return
+        self._queue.append(Sample(
+            kind, self._counter, self.identity.current, time.time_ns(), wall_time, idle, scheduled,
+            self._last_queued, self._last_kv_usage, num_running, num_waiting, self._dropped,
+        ))
+        self._dropped = 0
+        if self._sleeping:
+            with self._wake:
+                self._wake.notify()
+
+    # -- publisher thread ------------------------------------------------------------------
+    def _heartbeat_if_due(self) -> None:
+        in_flight, running, waiting = self._activity()
+        with self._lock:
+            idle = self._timer.poll(in_flight, running, waiting)
+            if idle is not None:
+                self._make(fpm_pb2.SAMPLE_KIND_HEARTBEAT, 0.0, idle, NO_STEP, running, waiting)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        # XPUB: a PUB socket that also shows us the relay's subscription, so the first
+        # samples are not sent (and silently dropped by ZMQ) before the relay subscribed.
+        sock = ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.LINGER, 200)  # a short flush on close, never a hang
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        # At the high-water mark, fail the send (counted in dropped_since_last) instead of
+        # ZMQ's default silent drop.
+        sock.setsockopt(zmq.XPUB_NODROP, 1)
+        try:
+            if self.config.endpoint:
+                sock.connect(self.config.endpoint)
+                self._await_subscriber(sock)
+            active_until = 0.0
+            while not self._stop.is_set():
+                if self._queue:
+                    while self._queue:
+                        self._send(sock, self._queue.popleft())
+                    active_until = time.monotonic() + ACTIVE_WINDOW_S
+                    continue
+                with self._lock:
+                    wait = self._timer.seconds_until_due()
+                if wait <= 0:
+                    self._heartbeat_if_due()
+                    continue
+                if time.monotonic() < active_until:
+                    # Steps are flowing: poll rather than have the engine thread wake us on
+                    # every sample (a wake-up costs the engine thread a context switch).
+                    time.sleep(min(POLL_INTERVAL_S, wait))
+                    continue
+                with self._wake:
+                    # Set before the re-check: a sample appended after it sees the flag and wakes us.
+                    self._sleeping = True
+                    if not self._queue and not self._stop.is_set():
+                        self._wake.wait(wait)
+                    self._sleeping = False
+        except Exception:  # never take the engine down; the relay sees the silence
+            log.exception("enginectl FPM publisher stopped")
+        finally:
+            sock.close()
+            ctx.term()
+
+    def _await_subscriber(self, sock: zmq.Socket[Any]) -> None:
+        """Wait (bounded) for the relay's subscription; samples made meanwhile stay queued."""
+        deadline = time.monotonic() + SUBSCRIBE_WAIT_S
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            if sock.poll(100, zmq.POLLIN):
+                sock.recv()
+                return
+        log.warning("enginectl FPM relay did not subscribe within %.0fs; publishing anyway", SUBSCRIBE_WAIT_S)
+
+    def _send(self, sock: zmq.Socket[Any], sample: Sample) -> None:
+        if not self.config.endpoint:
+            return
+        msg = sample_proto(sample, self.dp_rank, self.config.incarnation)
+        # Samples leave in counter order, so send failures add up exactly into the next one.
+        msg.dropped_since_last += self._send_drops
+        try:
+            sock.send(msg.SerializeToString(), zmq.NOBLOCK)
+        except zmq.Again:  # the relay is not reading fast enough: a drop like a full queue
+            self._send_drops = msg.dropped_since_last + 1
+        else:
+            self._send_drops = 0
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the thread and close the socket; returns within about `timeout`."""
+        self._stop.set()
+        with self._wake:
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)

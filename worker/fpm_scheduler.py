@@ -1,0 +1,104 @@
+"""enginectl's vLLM scheduler: vLLM's own scheduler plus a forward-pass metrics publisher.
+
+Runs inside each EngineCore process (one per data-parallel rank). `enginectl serve` sets
+vLLM's `scheduler_cls` to `make_scheduler`, which the EngineCore calls in place of a class:
+it builds a subclass of exactly the scheduler vLLM would otherwise use (`AsyncScheduler`
+when async scheduling is on, `Scheduler` otherwise), so scheduling itself is unchanged.
+
+Importing this module also attaches the identity utilities to vLLM's EngineCore
+(fpm_engine_core.py), so they exist in every process that runs this scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+import enginectl.worker.fpm_engine_core  # noqa: F401  (attaches the EngineCore utilities)
+import enginectl.worker.engine_utilities  # noqa: F401  (generation state, for weight updates)
+from enginectl.worker.fpm_identity import WorkerIdentity
+from enginectl.worker.fpm_load import queued_load, scheduled_load
+from enginectl.worker.fpm_publisher import FpmPublisher, PublisherConfig
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from enginectl.worker.fpm_load import ScheduledLoad
+
+
+class FpmScheduler(Scheduler):
+    """vLLM's Scheduler that also times every step, computes its metrics from its own state
+    and hands them to the rank's FpmPublisher. Holds the rank's one WorkerIdentity."""
+
+    fpm_identity: WorkerIdentity
+    fpm_dp_rank: int
+    fpm_publisher: FpmPublisher | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        config = PublisherConfig.from_additional_config(self.vllm_config.additional_config)
+        self.fpm_identity = WorkerIdentity(config.worker_id)
+        self.fpm_dp_rank = int(self.vllm_config.parallel_config.data_parallel_index)
+        # Scheduled outputs whose model output is not processed yet (the batch queue may hold
+        # two): id -> (output, start, its metrics or None when empty). The output is kept so
+        # its id cannot be reused while pending.
+        self._fpm_pending: dict[int, tuple[SchedulerOutput, float, ScheduledLoad | None]] = {}
+        self.fpm_publisher = None
+        if config.endpoint:
+            self.fpm_publisher = FpmPublisher(
+                config, dp_rank=self.fpm_dp_rank, identity=self.fpm_identity, activity=self._fpm_activity,
+            ).start()
+
+    def _fpm_activity(self) -> tuple[int, int, int]:
+        """(steps in flight, running, waiting), read by the heartbeat thread: lengths only,
+        each a single atomic read."""
+        running, waiting = self.get_request_counts()
+        return len(self._fpm_pending), running, waiting
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        start = time.perf_counter()
+        output = super().schedule(*args, **kwargs)
+        if self.fpm_publisher is not None:
+            load = (
+                scheduled_load(output.num_scheduled_tokens, self.requests)
+                if output.total_num_scheduled_tokens > 0 else None
+            )
+            self._fpm_pending[id(output)] = (output, start, load)
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        pending = self._fpm_pending.pop(id(scheduler_output), None)
+        if pending is not None and self.fpm_publisher is not None:
+            _, start, load = pending
+            # The same queues as get_request_counts(), read once.
+            queued = queued_load(self.waiting, self.kv_holding_waiting)
+            self.fpm_publisher.step_finished(  # positional: this runs every step
+                time.perf_counter() - start, load, queued, self.get_kv_cache_usage(),
+                len(self.running), queued.num_prefill_requests + queued.num_decode_requests,
+            )
+        return outputs
+
+    def shutdown(self) -> None:
+        if self.fpm_publisher is not None:
+            self.fpm_publisher.close()
+        super().shutdown()
+
+
+class FpmAsyncScheduler(FpmScheduler, AsyncScheduler):
+    """vLLM's AsyncScheduler with FpmScheduler's additions (MRO: FpmScheduler, then
+    AsyncScheduler, then Scheduler)."""
+
+
+def make_scheduler(*args: Any, **kwargs: Any) -> Scheduler:
+    """Called by the EngineCore as its scheduler class: the FPM variant of the scheduler vLLM
+    would pick for this config (see SchedulerConfig.get_scheduler_cls)."""
+    vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+    cls = FpmAsyncScheduler if vllm_config.scheduler_config.async_scheduling else FpmScheduler
+    return cls(*args, **kwargs)
