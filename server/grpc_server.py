@@ -13,6 +13,7 @@ import grpc
 from google.protobuf import descriptor as _descriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from google.longrunning import operations_pb2, operations_pb2_grpc
 
 from enginectl.fpm.v1 import (
     forward_pass_metrics_service_pb2,
@@ -21,8 +22,12 @@ from enginectl.fpm.v1 import (
     fpm_identity_service_pb2_grpc,
 )
 from enginectl.server.errors import ControlPlaneError, Reason
+from enginectl.server.fpm_identity_service import FpmIdentityServicer
+from enginectl.server.fpm_relay import FpmRelay
+from enginectl.server.fpm_stream import ForwardPassMetricsServicer
 from enginectl.server.interceptors import BearerToken, RpcInterceptor
 from enginectl.server.ledger import MAX_VERSION_BYTES, WeightVersionLedger
+from enginectl.server.operations import MAX_RETAINED, OperationsServicer, OperationStore
 from enginectl.server.weight_update_service import WeightUpdateServicer
 from enginectl.server.weight_version_service import WeightVersionServicer
 from enginectl.weights.v1 import (
@@ -34,7 +39,9 @@ from enginectl.weights.v1 import (
 
 if TYPE_CHECKING:
     from enginectl.server.engine import EngineInfo
+    from enginectl.server.fpm_identity import IdentitySync
     from enginectl.server.metrics import ControlPlaneMetrics
+    from enginectl.server.weight_updates import WeightUpdates
 
 # Generous for weight-update chunks and tensor manifests; every field is bounded anyway.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -107,8 +114,16 @@ class ControlPlaneServer:
         tls: TlsConfig | None = None,
         log_reads: bool = False,
         metrics: ControlPlaneMetrics | None = None,
+        fpm_relay: FpmRelay | None = None,
+        identity: IdentitySync | None = None,
+        updates: WeightUpdates | None = None,
+        operations: OperationStore | None = None,
     ) -> None:
         self.ledger = ledger
+        self.updates = updates
+        self.operations = operations or OperationStore()
+        # Without a relay (no engine behind this server) streams carry only progress messages.
+        self.fpm_relay = fpm_relay or FpmRelay(incarnation=ledger.incarnation)
         self._tls = tls
         interceptor = RpcInterceptor(
             token=BearerToken(token) if token else None,
@@ -136,9 +151,10 @@ class ControlPlaneServer:
             (weight_update_service_pb2, weight_update_service_pb2_grpc, "WeightUpdateService",
              WeightUpdateServicer, "weight updates arrive in a later release"),
             (fpm_identity_service_pb2, fpm_identity_service_pb2_grpc, "FpmIdentityService",
-             None, "worker identity arrives with forward-pass metrics"),
+             FpmIdentityServicer if identity is not None else None, "this server has no engine"),
             (forward_pass_metrics_service_pb2, forward_pass_metrics_service_pb2_grpc,
-             "ForwardPassMetricsService", None, "forward-pass metrics arrive in a later release"),
+             "ForwardPassMetricsService", ForwardPassMetricsServicer, ""),
+            (operations_pb2, operations_pb2_grpc, "Operations", OperationsServicer, ""),
         ]
         self.service_names: list[str] = []
         self.supported_rpcs: list[str] = []
@@ -147,14 +163,19 @@ class ControlPlaneServer:
             descriptor = pb2.DESCRIPTOR.services_by_name[name]
             generated = getattr(pb2_grpc, f"{name}Servicer")
             cls, implemented = _with_unimplemented(impl or generated, generated, descriptor, arrives)
-            completed.append((name, getattr(pb2_grpc, f"add_{name}Servicer_to_server"), cls))
+            add = getattr(impl, "add_to_server", None) or getattr(pb2_grpc, f"add_{name}Servicer_to_server")
+            completed.append((name, add, cls))
             self.service_names.append(descriptor.full_name)
             self.supported_rpcs.extend(implemented)
         # Constructor arguments, once supported_rpcs (part of GetServerInfo) is known.
         arguments: dict[str, tuple[Any, ...]] = {
-            "WeightVersionService": (ledger,),
-            "WeightUpdateService": (self._server_info(engine_info, token is not None),),
+            "WeightVersionService": (ledger, updates),
+            "WeightUpdateService": (self._server_info(engine_info, token is not None), updates),
+            "Operations": (self.operations,),
+            "ForwardPassMetricsService": (self.fpm_relay,),
         }
+        if identity is not None:
+            arguments["FpmIdentityService"] = (identity,)
         for name, add, cls in completed:
             add(cls(*arguments.get(name, ())), self._server)
         reflection.enable_server_reflection(
@@ -171,11 +192,12 @@ class ControlPlaneServer:
             api_versions=sorted({name.rsplit(".", 1)[0] for name in self.service_names}),
             supported_rpcs=self.supported_rpcs,
             incarnation=self.ledger.incarnation,
-            # Only the bounds enforced today; the update limits arrive with the updates.
-            limits=weight_update_service_pb2.ServerLimits(
-                max_version_bytes=MAX_VERSION_BYTES, max_request_bytes=MAX_MESSAGE_BYTES
-            ),
+            limits=self._limits(),
         )
+        info.start_time.GetCurrentTime()
+        if self.updates is not None:
+            info.backends.extend(self.updates.backends())
+            info.allowed_weight_roots.extend(str(root) for root in self.updates.allowed_roots)
         if engine is not None:
             info.model = engine.model
             info.served_model_names.extend(engine.served_model_names)
@@ -189,6 +211,22 @@ class ControlPlaneServer:
             info.num_workers = engine.num_workers
             info.vllm_version = engine.vllm_version
         return info
+
+    @staticmethod
+    def _limits() -> weight_update_service_pb2.ServerLimits:
+        from enginectl.server import disk, weight_updates as wu
+
+        limits = weight_update_service_pb2.ServerLimits(
+            max_version_bytes=MAX_VERSION_BYTES, max_request_bytes=MAX_MESSAGE_BYTES,
+            max_path_bytes=disk.MAX_PATH_BYTES, max_group_name_bytes=wu.MAX_GROUP_NAME_BYTES,
+            max_tensor_name_bytes=wu.MAX_TENSOR_NAME_BYTES, max_tensors_per_update=wu.MAX_TENSORS,
+            max_shape_rank=wu.MAX_SHAPE_RANK, max_tensor_elements=wu.MAX_TENSOR_ELEMENTS,
+            max_chunk_bytes=wu.MAX_CHUNK_BYTES, max_update_groups=wu.MAX_GROUPS,
+            max_retained_operations=MAX_RETAINED,
+        )
+        limits.default_timeout.FromSeconds(int(wu.DEFAULT_TIMEOUT_S))
+        limits.max_timeout.FromSeconds(int(wu.MAX_TIMEOUT_S))
+        return limits
 
     async def start(self, host: str, port: int) -> int:
         """Bind and start serving; returns the bound port (useful with port 0)."""
@@ -214,4 +252,7 @@ class ControlPlaneServer:
         """Graceful stop: NOT_SERVING first, streams end with UNAVAILABLE, then the server."""
         await self.health.enter_graceful_shutdown()
         self.ledger.close()
+        self.fpm_relay.close()
+        if self.updates is not None:
+            self.updates.close()
         await self._server.stop(grace)

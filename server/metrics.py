@@ -38,6 +38,23 @@ class ControlPlaneMetrics:
             registry=registry,
         )
         revision.set_function(lambda: float(ledger.state.revision))
+        self.updates = Counter(
+            "enginectl_weight_updates",
+            "Weight updates finished, by source (disk, distributed, tensors) and result "
+            "(ok, failed: nothing written, partial: failed after writing began).",
+            ["source", "result"],
+            registry=registry,
+        )
+        self.update_bytes = Counter(
+            "enginectl_weight_update_bytes",
+            "Tensor bytes loaded by successful weight updates (per rank, summed).",
+            registry=registry,
+        )
+
+    def update_done(self, source: str, result: str, nbytes: int) -> None:
+        self.updates.labels(source=source, result=result).inc()
+        if nbytes:
+            self.update_bytes.inc(nbytes)
 
     def rpc_done(self, rpc: str, code: str) -> None:
         self.rpcs.labels(rpc=rpc, code=code).inc()

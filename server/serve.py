@@ -29,7 +29,10 @@ if TYPE_CHECKING:
     import uvicorn
 
     from enginectl.server.engine import EngineAdapter
+    from enginectl.server.fpm_identity_serve import IdentityGate
+    from enginectl.server.fpm_relay_zmq import FpmRelayHost
     from enginectl.server.grpc_server import ControlPlaneServer, TlsConfig
+    from enginectl.server.ledger import Fingerprint
 
 log = structlog.get_logger("enginectl.serve")
 
@@ -83,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--log-rpc-reads", action="store_true",
                        help="Also log successful read RPCs (Get*, Watch*, health); mutations and "
                        "failures are always logged.")
+    from enginectl.server.fpm_relay_zmq import add_fpm_relay_args
+
+    add_fpm_relay_args(group)
+    from enginectl.server.fpm_identity_serve import add_identity_args
+
+    add_identity_args(group)
+    from enginectl.server.weight_update_service import add_weight_update_args
+
+    add_weight_update_args(group)
     return parser
 
 
@@ -167,18 +179,41 @@ class StartupError(Exception):
 
 
 async def _start_plane(
-    engine: EngineAdapter, token: str | None, tls: TlsConfig | None, host: str, port: int, log_reads: bool
+    engine: EngineAdapter, token: str | None, tls: TlsConfig | None, host: str, port: int, log_reads: bool,
+    fpm: FpmRelayHost | None = None, identity: IdentityGate | None = None,
+    weight_roots: list[Path] | None = None,
 ) -> tuple[ControlPlaneServer, int]:
     """Build and start the gRPC server; runs on the control loop, which then owns it."""
     from enginectl.server.grpc_server import ControlPlaneServer
     from enginectl.server.ledger import WeightVersionLedger
     from enginectl.server.metrics import ControlPlaneMetrics
 
-    ledger = WeightVersionLedger(publish=engine.set_weight_version)
+    from enginectl.server.disk import checkpoint_tensors
+    from enginectl.server.operations import OperationStore
+    from enginectl.server.weight_updates import WeightUpdates
+
+    updates: WeightUpdates | None = None
+
+    async def fingerprint() -> Fingerprint:
+        assert updates is not None
+        return await updates.declaration_fingerprint()
+
+    ledger = WeightVersionLedger(publish=engine.set_weight_version, fingerprint=fingerprint,
+                                 incarnation=identity.incarnation if identity else None)
+    operations = OperationStore()
+    expected = await asyncio.to_thread(checkpoint_tensors, engine.info.model)
+    metrics = ControlPlaneMetrics(ledger)
+    updates = WeightUpdates(engine, ledger, operations, allowed_roots=weight_roots or [], expected=expected,
+                            on_finished=metrics.update_done)
+    await updates.fingerprint()  # learns the methods GetServerInfo reports (milliseconds)
+    await updates.fingerprint(full=True)
     plane = ControlPlaneServer(
         ledger, engine_info=engine.info, token=token, tls=tls, log_reads=log_reads,
-        metrics=ControlPlaneMetrics(ledger),
+        metrics=metrics, fpm_relay=fpm.start(ledger) if fpm else None,
+        identity=identity.sync(engine) if identity else None,
+        updates=updates, operations=operations,
     )
+    await plane.set_serving(False)  # SERVING only once HTTP is up (and, if awaited, the identity)
     try:
         bound = await plane.start(host, port)
     except RuntimeError as exc:  # grpcio raises when the port is taken
@@ -210,6 +245,9 @@ async def serve(args: argparse.Namespace) -> int:
 
     from enginectl.server.control_loop import ControlLoop
     from enginectl.server.engine import EngineAdapter
+    from enginectl.server.fpm_identity_serve import configure_identity
+    from enginectl.server.fpm_relay_zmq import FpmRelayHost
+    from enginectl.server.weight_update_service import allowed_roots, configure_engine_args
 
     grpc_port, args.grpc_port = args.grpc_port, None  # see build_parser
     token, tls = load_token(args), load_tls(args)
@@ -228,13 +266,17 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    identity = configure_identity(args, loop, stop)  # before the engine, like the relay
+    fpm = FpmRelayHost.bind(args)  # before the engine: every EngineCore is told its endpoint
+    configure_engine_args(args)  # every worker gets enginectl's weight extension
     engine = await asyncio.to_thread(EngineAdapter.start, args, loop)
     control = ControlLoop().start()
     exit_code = 0
     try:
         try:
             plane, bound = await control.run(
-                _start_plane(engine, token, tls, args.grpc_host, grpc_port, args.log_rpc_reads)
+                _start_plane(engine, token, tls, args.grpc_host, grpc_port, args.log_rpc_reads, fpm, identity,
+                             allowed_roots(args, engine.info.model))
             )
         except StartupError as exc:
             raise SystemExit(f"enginectl serve: {exc}") from None
@@ -262,11 +304,14 @@ async def serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await _http_started(app.state.server, http, stop)
-        await control.run(plane.set_serving(True))
-        log.info("serving", grpc_host=args.grpc_host, grpc_port=bound, http_host=args.host,
-                 http_port=http_port, model=engine.info.model, dp_size=engine.info.data_parallel_size,
-                 incarnation=plane.ledger.incarnation, auth=token is not None, tls=tls is not None,
-                 pid=os.getpid())
+        await identity.wait_until_identified(http, grpc_host=args.grpc_host, grpc_port=bound,
+                                             http_host=args.host, http_port=http_port, pid=os.getpid())
+        if not stop.is_set() and not http.done():
+            await control.run(plane.set_serving(True))
+            log.info("serving", grpc_host=args.grpc_host, grpc_port=bound, http_host=args.host,
+                     http_port=http_port, model=engine.info.model, dp_size=engine.info.data_parallel_size,
+                     incarnation=plane.ledger.incarnation, auth=token is not None, tls=tls is not None,
+                     pid=os.getpid(), worker_id=args.worker_id, await_worker_id=args.await_worker_id)
 
         stopping = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({stopping, http}, return_when=asyncio.FIRST_COMPLETED)
@@ -288,8 +333,10 @@ async def serve(args: argparse.Namespace) -> int:
                 await result
     finally:
         await asyncio.to_thread(engine.shutdown, float(REAP_TIMEOUT_S))
+        await control.run(fpm.stop())
         control.stop()
         sock.close()
+    exit_code = exit_code or identity.exit_code  # a failed sync with --await-worker-id
     log.info("stopped", exit_code=exit_code)
     return exit_code
 

@@ -64,8 +64,7 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
                             context: grpc.aio.ServicerContext) -> pb2.GetServerInfoResponse:
         if self._updates is not None and not self._info.fingerprint_method and self._updates.fingerprint_method:
             self._info.fingerprint_method = self._updates.fingerprint_method
-            self._info.full_fingerprint_method = self._updates.fingerprint_method.replace(
-                self._updates.fingerprint_method.split("-")[0], "full", 1)
+            self._info.full_fingerprint_method = self._updates.full_fingerprint_method
         return self._info
 
     async def PauseGeneration(self, request: pb2.PauseGenerationRequest,

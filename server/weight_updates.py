@@ -196,12 +196,14 @@ class WeightUpdates:
         *,
         allowed_roots: list[Path],
         expected: dict[str, TensorInfo],
+        on_finished: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self._engine = engine
         self._ledger = ledger
         self._store = store
         self.allowed_roots = allowed_roots
         self._expected = expected
+        self._on_finished = on_finished  # (source, "ok" | "failed" | "partial", bytes loaded)
         self._served_dtype = engine.info.dtype
         self._ranks = engine.info.data_parallel_size
         self._ctx = zmq.asyncio.Context()
@@ -217,6 +219,7 @@ class WeightUpdates:
         self._groups_pending: set[str] = set()
         self._groups_in_use: set[str] = set()
         self.fingerprint_method = ""
+        self.full_fingerprint_method = ""
         self._ranks_at_update_start: list[dict[str, Any]] = [
             {"dp_rank": r, "paused": False, "running": 0, "waiting": 0} for r in range(self._ranks)]
 
@@ -368,13 +371,15 @@ class WeightUpdates:
             ranks.append((int(workers[0]["dp_rank"]) if workers else rank_index, digest))
             method = workers[0]["method"] if workers else method
         overall = hashlib.blake2b("|".join(d for _, d in ranks).encode(), digest_size=16).hexdigest()
-        if not full:
+        if full:
+            self.full_fingerprint_method = method
+        else:
             self.fingerprint_method = method
         return Fingerprint(method=method, digest=overall, ranks=tuple(ranks))
 
     async def declaration_fingerprint(self) -> Fingerprint:
         """Recorded at every declaration: the sampled fingerprint and the full one (VerifyWeights
-        compares like with like)."""
+        compares like with like; the full one is a CRC32 per tensor, at memory speed)."""
         sampled = await self.fingerprint(False)
         self._full_at_declaration = await self.fingerprint(True)
         return sampled
@@ -613,6 +618,8 @@ class WeightUpdates:
                 pause_duration=_duration(pause_duration),
                 duration=_duration(time.monotonic() - started),
             ))
+            if self._on_finished is not None:
+                self._on_finished(plan.source.value.lower(), "ok", sum(r["bytes_loaded"] for r in results))
             log.info("weights updated", operation=op.name, source=plan.source.value, version=plan.version,
                      tensors=len(plan.tensors), bytes=plan.bytes_total, seconds=round(time.monotonic() - started, 3))
         except _UpdateFailed as failure:
@@ -664,6 +671,8 @@ class WeightUpdates:
             await self._drop_group(plan.group)
         op.failure = error
         op.finish(error=to_status(error))
+        if self._on_finished is not None:
+            self._on_finished(plan.source.value.lower(), "partial" if failure.modified else "failed", 0)
         log.warning("weight update failed", operation=op.name, cause=failure.cause, partial=failure.modified,
                     message=failure.message)
 
