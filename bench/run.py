@@ -21,12 +21,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import fpm, fpm_publish
+from bench import fpm, fpm_publish, weights
 from bench.procs import ServerProcess, Worker, baseline_server, enginectl_server
 from bench.stats import ratio
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PHASES = ("latency", "rollouts", "throughput", "fpm", "fpm_publish")
+PHASES = ("latency", "rollouts", "throughput", "fpm", "fpm_publish", "weights")
 DIAGNOSTIC_VARIANTS = ("bare-uvloop", "intercepted-nolog", "intercepted", "controlplane")
 TARGETS = {  # DESIGN §8
     "latency_vs_bare": 1.15,     # enginectl p50 / bare grpc.aio p50 <=
@@ -290,6 +290,7 @@ def figures(results: dict) -> list[dict]:
                            TARGETS["throughput_vs_bare"], True))
     out += fpm.figures(results)
     out += fpm_publish.figures(results)
+    out += weights.figures(results)
     return out
 
 
@@ -349,6 +350,7 @@ def markdown(results: dict) -> str:
                          f"{rec['errors']} |")
     lines += fpm.markdown(results)
     lines += fpm_publish.markdown(results)
+    lines += weights.markdown(results)
     if results.get("notes"):
         lines += [""] + [f"- {n}" for n in results["notes"]]
     return "\n".join(lines) + "\n"
@@ -432,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             results["fpm_fanin"] = fpm.phase_fanin(eng, args.quick)
         if "fpm_publish" in phases:  # its own in-process engine, in a worker subprocess
             results["fpm_publish"] = fpm_publish.phase(args.quick)
+        if "weights" in phases:  # its own server on a bigger synthetic model
+            results["weights"] = weights.phase(args.quick)
         results["enginectl_log_lines"] = eng.lines_seen
     finally:
         for name in reversed(list(servers)):

@@ -1,0 +1,275 @@
+"""Load side of the weight-update bench (bench/weights.py): `python -m bench.weights_clients MODE`.
+
+Runs in subprocesses of `python -m bench`, speaking JSON lines on stdout:
+- `build --layers N`: build (once) the synthetic bench model; prints {"event": "result", "model": dir}.
+- `run --target T --http-port P --model DIR --reps N`: measures, interleaved rep by rep, each
+  enginectl figure and its baseline on the same server and the same bytes:
+    pause     PauseGeneration(KEEP) + ResumeGeneration  vs  vLLM HTTP /pause?mode=keep + /resume
+    disk      UpdateWeightsFromDisk(DIR)                vs  vLLM /collective_rpc reload_weights(DIR)
+    tensors   TrainerClient.update_weights_from_tensors vs  the same stream messages to a gRPC sink
+    gloo      TrainerClient.broadcast_weights           vs  a raw gloo broadcast to another process
+- `sink`: a bare grpc server whose one client-streaming method drops what it receives.
+- `gloo-recv --port P --file F --reps N`: rank 1 of a raw two-process gloo group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+CACHE_DIR = Path(__file__).resolve().parent / ".cache"
+HIDDEN, INTERMEDIATE, HEADS = 1024, 2816, 16
+SINK_METHOD = "/bench.Sink/Stream"
+CHUNK_BYTES = 2 * 1024 * 1024
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+# -- the synthetic model ---------------------------------------------------------------------
+def build(layers: int) -> Path:
+    """A random float32 Llama (hidden 1024, `layers` layers) next to the embedded model's
+    tokenizer, under bench/.cache (never committed)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from enginectl.server.default_model import ensure_default_model
+
+    out = CACHE_DIR / f"llama-h{HIDDEN}-l{layers}"
+    if (out / "model.safetensors").exists():
+        return out
+    tiny = ensure_default_model()
+    tmp = CACHE_DIR / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(tiny, tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config.update(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
+                  num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HIDDEN // HEADS,
+                  torch_dtype="float32")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    vocab = int(config["vocab_size"])
+    g = torch.Generator().manual_seed(0)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, HIDDEN),
+                                          "model.norm.weight": (HIDDEN,), "lm_head.weight": (vocab, HIDDEN)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes[p + f"self_attn.{name}.weight"] = (HIDDEN, HIDDEN)
+        shapes[p + "mlp.gate_proj.weight"] = (INTERMEDIATE, HIDDEN)
+        shapes[p + "mlp.up_proj.weight"] = (INTERMEDIATE, HIDDEN)
+        shapes[p + "mlp.down_proj.weight"] = (HIDDEN, INTERMEDIATE)
+        shapes[p + "input_layernorm.weight"] = (HIDDEN,)
+        shapes[p + "post_attention_layernorm.weight"] = (HIDDEN,)
+    state = {n: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * 0.02) for n, s in shapes.items()}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    os.replace(tmp, out)
+    return out
+
+
+# -- baselines ---------------------------------------------------------------------------------
+def sink() -> None:
+    """A bare grpc server: one client-streaming method that reads every message and drops it."""
+    import grpc
+
+    from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+    def stream(requests: Any, context: Any) -> bytes:
+        n = 0
+        for message in requests:
+            n += len(message.chunk.data)
+        return n.to_bytes(8, "little")
+
+    handler = grpc.method_handlers_generic_handler("bench.Sink", {"Stream": grpc.stream_unary_rpc_method_handler(
+        stream, request_deserializer=pb2.UpdateWeightsFromTensorsRequest.FromString)})
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 64 << 20)])
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    emit("ready", port=port)
+    sys.stdin.read()
+    server.stop(0)
+
+
+def gloo_recv(port: int, file: str, reps: int) -> None:
+    """Rank 1 of a raw gloo group with the `run` process: receive every tensor `reps` times
+    into buffers allocated once, acknowledging each round."""
+    import torch
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        buffers = [torch.empty_like(f.get_tensor(k)) for k in f.keys()]  # noqa: SIM118 - safe_open is not a dict
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=120))
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 1, 2, datetime.timedelta(seconds=120))
+    ack = torch.zeros(1)
+    for _ in range(reps):
+        for b in buffers:
+            pg.broadcast(b, 0).wait()
+        pg.broadcast(ack, 1).wait()
+
+
+def raw_gloo(file: str, tensors: list[Any], reps: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=120),
+                          wait_for_workers=False)
+    child = subprocess.Popen([sys.executable, "-m", "bench.weights_clients", "gloo-recv", "--port",
+                              str(store.port), "--file", file, "--reps", str(reps)])
+    try:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, datetime.timedelta(seconds=120))
+        ack = torch.zeros(1)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for t in tensors:
+                pg.broadcast(t, 0).wait()
+            pg.broadcast(ack, 1).wait()
+            times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        child.wait(60)
+
+
+def http_post(port: int, path: str, body: dict[str, Any] | None = None) -> float:
+    data = json.dumps(body).encode() if body is not None else b""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as response:
+        response.read()
+    return time.perf_counter() - t0
+
+
+# -- the measurements -------------------------------------------------------------------------
+def summary(times: list[float], nbytes: int = 0, results: Sequence[Any] = ()) -> dict[str, Any]:
+    """Median and min wall time (and GB/s); for enginectl updates also the server's own view:
+    `server_ms` (acceptance to done) and `rank_ms` (rank 0 receiving and loading)."""
+    med = statistics.median(times)
+    out: dict[str, Any] = {"n": len(times), "median_ms": round(med * 1e3, 3), "min_ms": round(min(times) * 1e3, 3)}
+    if nbytes:
+        out["gb_per_s"] = round(nbytes / med / 1e9, 3)
+    if results:
+        out["server_ms"] = round(statistics.median(r.duration for r in results) * 1e3, 3)
+        out["rank_ms"] = round(statistics.median(r.ranks[0].duration for r in results) * 1e3, 3)
+    return out
+
+
+def run(target: str, http_port: int, model: Path, reps: int, pause_reps: int) -> dict[str, Any]:
+    import grpc
+    from safetensors.torch import load_file
+
+    from enginectl.client import TrainerClient
+    from enginectl.client.trainer_tensors import chunks, named_tensors, tensor_spec
+    from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+    file = model / "model.safetensors"
+    nbytes = file.stat().st_size
+    file.read_bytes()  # into the page cache
+    state = load_file(str(file))
+    payload = sum(t.numel() * t.element_size() for t in state.values())
+    results: dict[str, Any] = {"file_bytes": nbytes, "payload_bytes": payload, "num_tensors": len(state)}
+    client = TrainerClient(target, timeout=600)
+
+    # Pause + resume round trip.
+    ours, theirs = [], []
+    for _ in range(pause_reps):
+        t0 = time.perf_counter()
+        client.pause_generation("keep")
+        client.resume_generation()
+        ours.append(time.perf_counter() - t0)
+        theirs.append(http_post(http_port, "/pause?mode=keep") + http_post(http_port, "/resume"))
+    results["pause"] = {"enginectl": summary(ours), "vllm_http": summary(theirs)}
+
+    # Disk: enginectl vs vLLM's own reload_weights from the same directory.
+    ours, theirs, done = [], [], []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        done.append(client.update_weights_from_disk(str(model), f"disk-{i}"))
+        ours.append(time.perf_counter() - t0)
+        theirs.append(http_post(http_port, "/collective_rpc",
+                                {"method": "reload_weights", "kwargs": {"weights_path": str(model)}}))
+    results["disk"] = {"enginectl": summary(ours, payload, done), "reload_weights": summary(theirs, payload)}
+
+    # Tensor stream: enginectl end to end (incl. load) vs the same messages into a gRPC sink.
+    named = named_tensors(state)
+    header = pb2.UpdateWeightsFromTensorsRequest(header=pb2.TensorStreamHeader(
+        tensors=[tensor_spec(n, t) for n, t in named]))
+    sink_proc = subprocess.Popen([sys.executable, "-m", "bench.weights_clients", "sink"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink_proc.stdout is not None
+        port = json.loads(sink_proc.stdout.readline())["port"]
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        send = channel.stream_unary(SINK_METHOD, request_serializer=pb2.UpdateWeightsFromTensorsRequest.SerializeToString)
+        ours, theirs, done = [], [], []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            done.append(client.update_weights_from_tensors(named, f"tensors-{i}", chunk_bytes=CHUNK_BYTES))
+            ours.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            got = int.from_bytes(send(iter([header, *chunks(named, CHUNK_BYTES)]), timeout=600), "little")
+            theirs.append(time.perf_counter() - t0)
+            assert got == payload, (got, payload)
+        channel.close()
+    finally:
+        assert sink_proc.stdin is not None
+        sink_proc.stdin.close()
+        sink_proc.wait(60)
+    results["tensors"] = {"enginectl": summary(ours, payload, done), "raw_grpc_stream": summary(theirs, payload)}
+
+    # Gloo: enginectl (this process is the trainer) vs a raw two-process gloo broadcast.
+    client.init_weights_update_group("bench", timeout=120)
+    ours, done = [], []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        done.append(client.broadcast_weights(named, f"gloo-{i}", group_name="bench"))
+        ours.append(time.perf_counter() - t0)
+    client.destroy_weights_update_group("bench")
+    theirs = raw_gloo(str(file), [t for _, t in named], reps)
+    results["gloo"] = {"enginectl": summary(ours, payload, done), "raw_gloo": summary(theirs, payload)}
+    client.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.weights_clients")
+    parser.add_argument("mode", choices=("build", "run", "sink", "gloo-recv"))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--target")
+    parser.add_argument("--http-port", type=int)
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--pause-reps", type=int, default=20)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--file")
+    args = parser.parse_args()
+    try:
+        if args.mode == "build":
+            emit("result", model=str(build(args.layers)))
+        elif args.mode == "run":
+            emit("result", **run(args.target, args.http_port, args.model, args.reps, args.pause_reps))
+        elif args.mode == "sink":
+            sink()
+        else:
+            gloo_recv(args.port, args.file, args.reps)
+    except Exception as exc:  # reported to the orchestrator, which raises it
+        emit("error", error=f"{type(exc).__name__}: {exc}")
+        raise
+
+
+if __name__ == "__main__":
+    main()

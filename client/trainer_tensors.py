@@ -1,0 +1,158 @@
+"""Tensors for the trainer client: specs, raw stream bytes, and the trainer's side of a group.
+
+Runs in the trainer process. Needs torch, imported lazily inside the functions, so that
+`enginectl.client` stays importable without it. Names are checkpoint names (what the
+model's safetensors files hold); `nn.Module.state_dict()` of a Hugging Face model gives them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+
+DTYPES = {
+    "float32": pb2.TENSOR_DTYPE_FLOAT32, "float16": pb2.TENSOR_DTYPE_FLOAT16,
+    "bfloat16": pb2.TENSOR_DTYPE_BFLOAT16, "float64": pb2.TENSOR_DTYPE_FLOAT64,
+    "int8": pb2.TENSOR_DTYPE_INT8, "int16": pb2.TENSOR_DTYPE_INT16, "int32": pb2.TENSOR_DTYPE_INT32,
+    "int64": pb2.TENSOR_DTYPE_INT64, "uint8": pb2.TENSOR_DTYPE_UINT8, "bool": pb2.TENSOR_DTYPE_BOOL,
+    "float8_e4m3fn": pb2.TENSOR_DTYPE_FLOAT8_E4M3FN, "float8_e5m2": pb2.TENSOR_DTYPE_FLOAT8_E5M2,
+}
+BACKENDS = {"gloo": pb2.GROUP_BACKEND_GLOO, "nccl": pb2.GROUP_BACKEND_NCCL}
+
+# Anything naming tensors: an nn.Module, a state dict, or (name, tensor) pairs.
+TensorSource = Any
+
+
+def named_tensors(source: TensorSource, device: str = "cpu") -> list[tuple[str, Any]]:
+    """(checkpoint name, detached contiguous tensor on `device`) pairs, in `source` order."""
+    import torch
+
+    if isinstance(source, torch.nn.Module):
+        items: Iterable[tuple[str, Any]] = source.state_dict().items()
+    elif isinstance(source, Mapping):
+        items = source.items()
+    else:
+        items = source
+    out = []
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        out.append((str(name), tensor.detach().to(device).contiguous()))
+    return out
+
+
+def tensor_spec(name: str, tensor: Any) -> pb2.TensorSpec:
+    """The TensorSpec (checkpoint name, dtype as sent, full shape) of one tensor."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise TypeError(f"{name!r}: dtype {dtype} can not be sent (known: {', '.join(DTYPES)})")
+    return pb2.TensorSpec(name=name, dtype=DTYPES[dtype], shape=list(tensor.shape))
+
+
+def raw_bytes(tensor: Any) -> memoryview:
+    """The tensor's raw little-endian, C-contiguous bytes (no copy for a contiguous CPU tensor)."""
+    import torch
+
+    if sys.byteorder != "little":
+        raise RuntimeError("the tensor stream carries little-endian bytes; this host is big-endian")
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def chunks(named: list[tuple[str, Any]], chunk_bytes: int) -> Iterator[pb2.UpdateWeightsFromTensorsRequest]:
+    """Stream messages after the header: the tensors' bytes concatenated, cut in chunks of
+    `chunk_bytes` (the last one shorter), each with its running offset."""
+    offset = 0
+    pending = bytearray()
+    for _, tensor in named:
+        view = raw_bytes(tensor)
+        while len(view):
+            if not pending and len(view) >= chunk_bytes:
+                data, view = bytes(view[:chunk_bytes]), view[chunk_bytes:]
+            else:
+                take = min(len(view), chunk_bytes - len(pending))
+                pending += view[:take]
+                view = view[take:]
+                if len(pending) < chunk_bytes:
+                    continue
+                data, pending = bytes(pending), bytearray()
+            yield pb2.UpdateWeightsFromTensorsRequest(chunk=pb2.TensorStreamChunk(offset=offset, data=data))
+            offset += len(data)
+    if pending:
+        yield pb2.UpdateWeightsFromTensorsRequest(chunk=pb2.TensorStreamChunk(offset=offset, data=bytes(pending)))
+
+
+class BroadcastGroup:
+    """The trainer's membership (rank 0) of a private update group; it hosts the TCPStore.
+
+    `host` opens the store at once (engine workers connect to it); `join` blocks until every
+    member created its process group, then matches the workers' probe broadcast.
+    """
+
+    def __init__(self, name: str, backend: str, store: Any, world_size: int, timeout: float) -> None:
+        self.name, self.backend, self.store = name, backend, store
+        self.world_size, self.timeout = world_size, timeout
+        self.device = "cuda" if backend == "nccl" else "cpu"
+        self.pg: Any = None
+        self.broken = ""
+        self._lock = threading.Lock()
+
+    @classmethod
+    def host(cls, name: str, backend: str, address: str, port: int, world_size: int,
+             timeout: float) -> BroadcastGroup:
+        import torch.distributed as dist
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(BACKENDS)}, not {backend!r}")
+        store = dist.TCPStore(address, port, world_size, is_master=True,
+                              timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        return cls(name, backend, store, world_size, timeout)
+
+    @property
+    def port(self) -> int:
+        return int(self.store.port)
+
+    def join(self) -> None:
+        """Create rank 0's process group (blocks until all members joined) and answer the probe."""
+        import torch
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.timeout)
+        prefixed = dist.PrefixStore(f"enginectl/{self.name}", self.store)
+        if self.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            pg: Any = dist.ProcessGroupNCCL(prefixed, 0, self.world_size, options)
+        else:
+            pg = dist.ProcessGroupGloo(prefixed, 0, self.world_size, timeout)
+        pg.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device), 0).wait()
+        self.pg = pg
+
+    def broadcast(self, tensors: Iterable[Any], stop: threading.Event | None = None) -> int:
+        """Broadcast each tensor from rank 0, in order; returns how many were sent. Stops
+        early when `stop` is set. A failure marks the group broken (it can not be reused)."""
+        if self.pg is None or self.broken:
+            raise RuntimeError(f"group {self.name!r} is not usable: {self.broken or 'not joined'}")
+        sent = 0
+        with self._lock:
+            try:
+                for tensor in tensors:
+                    if stop is not None and stop.is_set():
+                        break
+                    self.pg.broadcast(tensor, 0).wait()
+                    sent += 1
+            except BaseException as exc:
+                self.broken = f"{type(exc).__name__}: {exc}"
+                raise
+        return sent
+
+    def close(self) -> None:
+        """Drop the process group and the store (closes their connections)."""
+        self.pg = None
+        self.store = None

@@ -1,0 +1,261 @@
+"""Plain Python views of the weight-update API (DESIGN §5), for the trainer client.
+
+Runs wherever the client runs (a trainer process, a notebook); imports neither torch nor
+vLLM. Field meanings are those of `enginectl/weights/v1/weight_update_service.proto`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from google.longrunning import operations_pb2
+from google.rpc import status_pb2
+
+from enginectl.client.errors import EnginectlError, error_class, status_details
+from enginectl.client.types import WeightVersion
+from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+from enginectl.weights.v1 import weight_version_pb2
+from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _enum_name(enum: object, value: int, prefix: str) -> str:
+    return str(enum.Name(value)).removeprefix(prefix)  # type: ignore[attr-defined]
+
+
+def error_from_status(status: status_pb2.Status) -> EnginectlError:
+    """The EnginectlError a google.rpc.Status (e.g. a failed Operation's `error`) stands for."""
+    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    reason, metadata, violations = status_details(status)
+    return error_class(code)(
+        code=code, message=status.message, reason=reason, metadata=metadata, field_violations=violations
+    )
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """Progress of an update on one data-parallel rank."""
+
+    dp_rank: int
+    phase: str
+    tensors_done: int
+    bytes_done: int
+
+
+@dataclass(frozen=True)
+class UpdateProgress:
+    """An update Operation's metadata: where it is (`phase`: "LOADING", "DONE", ...)."""
+
+    phase: str
+    source: str
+    weight_version: str | None
+    tensors_done: int
+    tensors_total: int
+    bytes_done: int
+    bytes_total: int
+    weights_modified: bool
+    paused_by_update: bool
+    ranks: tuple[RankProgress, ...]
+
+    @classmethod
+    def from_proto(cls, msg: pb2.UpdateWeightsMetadata) -> UpdateProgress:
+        return cls(
+            phase=_enum_name(pb2.UpdatePhase, msg.phase, "UPDATE_PHASE_"),
+            source=_enum_name(weight_version_pb2.WeightSource, msg.source, "WEIGHT_SOURCE_"),
+            weight_version=msg.weight_version if msg.HasField("weight_version") else None,
+            tensors_done=msg.tensors_done, tensors_total=msg.tensors_total,
+            bytes_done=msg.bytes_done, bytes_total=msg.bytes_total,
+            weights_modified=msg.weights_modified, paused_by_update=msg.paused_by_update,
+            ranks=tuple(RankProgress(r.dp_rank, _enum_name(pb2.UpdatePhase, r.phase, "UPDATE_PHASE_"),
+                                     r.tensors_done, r.bytes_done) for r in msg.ranks),
+        )
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What an update loaded on one data-parallel rank."""
+
+    dp_rank: int
+    tensors_loaded: int
+    bytes_loaded: int
+    duration: float
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """A successful update: the WeightVersion after it, per-rank results, pause facts."""
+
+    operation: str
+    weight_version: WeightVersion
+    ranks: tuple[RankResult, ...]
+    num_paused_requests: int
+    num_aborted_requests: int
+    prefix_cache_reset: bool
+    generation_resumed: bool
+    pause_duration: float
+    duration: float
+
+    @classmethod
+    def from_proto(cls, operation: str, msg: pb2.UpdateWeightsResponse) -> UpdateResult:
+        return cls(
+            operation=operation,
+            weight_version=WeightVersion.from_proto(msg.weight_version),
+            ranks=tuple(RankResult(r.dp_rank, r.tensors_loaded, r.bytes_loaded,
+                                   r.duration.ToTimedelta().total_seconds()) for r in msg.ranks),
+            num_paused_requests=msg.num_paused_requests,
+            num_aborted_requests=msg.num_aborted_requests,
+            prefix_cache_reset=msg.prefix_cache_reset,
+            generation_resumed=msg.generation_resumed,
+            pause_duration=msg.pause_duration.ToTimedelta().total_seconds(),
+            duration=msg.duration.ToTimedelta().total_seconds(),
+        )
+
+
+@dataclass(frozen=True)
+class UpdateOperation:
+    """A weight-update Operation as last read: running (`done` False), succeeded or failed."""
+
+    name: str
+    done: bool
+    progress: UpdateProgress
+    response: UpdateResult | None
+    error: EnginectlError | None
+
+    @classmethod
+    def from_proto(cls, op: operations_pb2.Operation) -> UpdateOperation:
+        metadata = pb2.UpdateWeightsMetadata()
+        op.metadata.Unpack(metadata)
+        response = error = None
+        if op.HasField("error"):
+            error = error_from_status(op.error)
+        elif op.HasField("response"):
+            msg = pb2.UpdateWeightsResponse()
+            op.response.Unpack(msg)
+            response = UpdateResult.from_proto(op.name, msg)
+        return cls(op.name, op.done, UpdateProgress.from_proto(metadata), response, error)
+
+    def result(self) -> UpdateResult:
+        """The result; raises the Operation's error, or RuntimeError while it still runs."""
+        if self.error is not None:
+            raise self.error
+        if self.response is None:
+            raise RuntimeError(f"{self.name} has not finished (phase {self.progress.phase})")
+        return self.response
+
+
+@dataclass(frozen=True)
+class RankGenerationState:
+    """Generation state of one data-parallel rank."""
+
+    dp_rank: int
+    paused: bool
+    num_running_requests: int
+    num_waiting_requests: int
+
+
+@dataclass(frozen=True)
+class GenerationState:
+    """Whether generation is paused and why ("CALLER", "UPDATE", "PARTIAL_UPDATE", ...)."""
+
+    paused: bool
+    reason: str
+    mode: str
+    num_running_requests: int
+    num_waiting_requests: int
+    update_operation: str
+    ranks: tuple[RankGenerationState, ...]
+
+    @classmethod
+    def from_proto(cls, msg: pb2.GenerationState) -> GenerationState:
+        return cls(
+            paused=msg.paused,
+            reason=_enum_name(pb2.PauseReason, msg.reason, "PAUSE_REASON_"),
+            mode=_enum_name(pb2.PauseMode, msg.mode, "PAUSE_MODE_"),
+            num_running_requests=msg.num_running_requests,
+            num_waiting_requests=msg.num_waiting_requests,
+            update_operation=msg.update_operation,
+            ranks=tuple(RankGenerationState(r.dp_rank, r.paused, r.num_running_requests, r.num_waiting_requests)
+                        for r in msg.ranks),
+        )
+
+
+@dataclass(frozen=True)
+class PauseResult:
+    """What PauseGeneration did."""
+
+    state: GenerationState
+    was_paused: bool
+    num_aborted_requests: int
+    num_paused_requests: int
+    pause_duration: float
+
+    @classmethod
+    def from_proto(cls, msg: pb2.PauseGenerationResponse) -> PauseResult:
+        return cls(GenerationState.from_proto(msg.state), msg.was_paused, msg.num_aborted_requests,
+                   msg.num_paused_requests, msg.pause_duration.ToTimedelta().total_seconds())
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What GetServerInfo says about the server (the fields a trainer needs)."""
+
+    model: str
+    served_model_names: tuple[str, ...]
+    dtype: str
+    data_parallel_size: int
+    tensor_parallel_size: int
+    num_workers: int
+    backends: tuple[str, ...]
+    auth_required: bool
+    fingerprint_method: str
+    allowed_weight_roots: tuple[str, ...]
+    max_chunk_bytes: int
+    incarnation: str
+    supported_rpcs: tuple[str, ...]
+
+    @classmethod
+    def from_proto(cls, msg: pb2.GetServerInfoResponse) -> ServerInfo:
+        return cls(
+            model=msg.model, served_model_names=tuple(msg.served_model_names),
+            dtype=_enum_name(pb2.TensorDtype, msg.dtype, "TENSOR_DTYPE_").lower(),
+            data_parallel_size=msg.data_parallel_size, tensor_parallel_size=msg.tensor_parallel_size,
+            num_workers=msg.num_workers,
+            backends=tuple(_enum_name(pb2.UpdateBackend, b, "UPDATE_BACKEND_") for b in msg.backends),
+            auth_required=msg.auth_required, fingerprint_method=msg.fingerprint_method,
+            allowed_weight_roots=tuple(msg.allowed_weight_roots),
+            max_chunk_bytes=msg.limits.max_chunk_bytes or 4 * 1024 * 1024,
+            incarnation=msg.incarnation, supported_rpcs=tuple(msg.supported_rpcs),
+        )
+
+
+@dataclass(frozen=True)
+class RankVerification:
+    """VerifyWeights on one data-parallel rank."""
+
+    dp_rank: int
+    verdict: str
+    recorded_digest: str
+    current_digest: str
+
+
+@dataclass(frozen=True)
+class Verification:
+    """VerifyWeights: "MATCH", "DRIFTED" or "UNDECLARED", per rank, with the resource."""
+
+    verdict: str
+    method: str
+    ranks: tuple[RankVerification, ...]
+    weight_version: WeightVersion
+
+    @classmethod
+    def from_proto(cls, msg: wv_pb2.VerifyWeightsResponse) -> Verification:
+        return cls(
+            verdict=_enum_name(wv_pb2.VerifyVerdict, msg.verdict, "VERIFY_VERDICT_"),
+            method=msg.method,
+            ranks=tuple(RankVerification(r.dp_rank, _enum_name(wv_pb2.VerifyVerdict, r.verdict, "VERIFY_VERDICT_"),
+                                         r.recorded_digest, r.current_digest) for r in msg.ranks),
+            weight_version=WeightVersion.from_proto(msg.weight_version),
+        )

@@ -1,0 +1,118 @@
+"""Shared fixtures for weight-update tests: two tiny checkpoints and a server that may load them.
+
+Import the fixtures into a test module (`from weights_fixtures import checkpoints,
+weights_server`) so pytest registers them there. Runs in the pytest process.
+
+- `checkpoints` (session): A is a copy of the embedded default model (the weights every
+  server starts with), B the same files with every tensor perturbed (seeded), both under one
+  root the server is allowed to read (`--allow-weights-from`). Helpers give their state
+  dicts, and `greedy_tokens` reads the greedy token ids a server generates now.
+- `weights_server` (session): `enginectl serve --allow-weights-from <root> --enable-scale-out`
+  with `VLLM_SERVER_DEV_MODE=1` (vLLM's `/collective_rpc`, `/pause`, `/resume` routes, used to
+  bypass enginectl on purpose). Terminated at the end; no child process may be left.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from serving import ServeProcess, alive
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+B_SEED = 1
+B_NOISE = 0.5
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """Paths of checkpoints A (initial weights) and B (perturbed) under an allowed `root`."""
+
+    root: Path
+    a: Path
+    b: Path
+
+    def file(self, which: str) -> Path:
+        """The `.safetensors` file of checkpoint "A" or "B"."""
+        return {"A": self.a, "B": self.b}[which] / "model.safetensors"
+
+    def state_dict(self, which: str) -> dict[str, Any]:
+        """Checkpoint names -> torch tensors (float32, CPU) of "A" or "B"."""
+        from safetensors.torch import load_file
+
+        return dict(load_file(str(self.file(which))))
+
+
+def greedy_tokens(server: ServeProcess, prompt: list[int] | None = None, max_tokens: int = 8,
+                  timeout: float = 120.0) -> list[int]:
+    """Token ids the server generates now for `prompt` (token ids) at temperature 0."""
+    body = {
+        "model": server.model, "prompt": prompt or PROMPT, "max_tokens": max_tokens,
+        "temperature": 0, "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        f"{server.http_url}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return list(json.load(response)["choices"][0]["token_ids"])
+
+
+def _build_b(a: Path, b: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(a, b)
+    generator = torch.Generator().manual_seed(B_SEED)
+    state = load_file(str(a / "model.safetensors"))
+    perturbed = {
+        name: (t + B_NOISE * torch.randn(t.shape, generator=generator, dtype=t.dtype)).contiguous()
+        for name, t in state.items()
+    }
+    save_file(perturbed, str(b / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def checkpoints(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    """A and B under a fresh allowed root; A is built in the servers' model cache first."""
+    from enginectl.server.default_model import ensure_default_model
+
+    served = ensure_default_model(Path(serve_env["ENGINECTL_CACHE_DIR"]))
+    root = tmp_path_factory.mktemp("weights-root")
+    a, b = root / "A", root / "B"
+    shutil.copytree(served, a)
+    _build_b(a, b)
+    return Checkpoints(root=root, a=a, b=b)
+
+
+def start_weights_server(serve_env: dict[str, str], checkpoints: Checkpoints,
+                         *extra: str) -> ServeProcess:
+    """A ready server allowed to read the checkpoints' root, in vLLM dev mode."""
+    env = dict(serve_env, VLLM_SERVER_DEV_MODE="1")
+    return ServeProcess(
+        ["--allow-weights-from", str(checkpoints.root), "--enable-scale-out", *extra], env
+    ).start().wait_ready()
+
+
+def stop_server(srv: ServeProcess) -> None:
+    """Terminate `srv` and check that none of its children outlived it."""
+    children = srv.descendants()
+    try:
+        srv.terminate()
+    finally:
+        srv.kill()
+    assert not alive(children), f"children left behind: {alive(children)}"
+
+
+@pytest.fixture(scope="session")
+def weights_server(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[ServeProcess]:
+    """One server for the weight tests of the session (starts with checkpoint A)."""
+    srv = start_weights_server(serve_env, checkpoints)
+    yield srv
+    stop_server(srv)
