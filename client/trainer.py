@@ -205,6 +205,11 @@ class AsyncBroadcast:
             self.sent += sending.result()
         except Exception:
             self.client._forget_group(self.group.name, self.group.broken)
+            # The peers went away because the server ended the update (cancel, timeout, a
+            # failed load): its error says why, better than gloo's "connection closed".
+            op = await self.client._await_done(self.name, 30.0, None)
+            if op.done and op.error is not None:
+                raise op.error from None
             raise
         return len(batch)
 

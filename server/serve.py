@@ -174,6 +174,21 @@ def _check_port_free(host: str, port: int) -> None:
             raise SystemExit(f"enginectl serve: gRPC port {host}:{port} is not available: {exc}") from None
 
 
+ENGINE_CONFIG_ENV = "ENGINECTL_ENGINE_CONFIG"
+
+
+def hand_over_engine_config(args: argparse.Namespace) -> None:
+    """Move enginectl's section of `additional_config` (relay endpoint, incarnation, worker
+    id: values that change with every start or every worker) into the environment the
+    EngineCore processes inherit. vLLM hashes `additional_config` into its compile-cache key,
+    so leaving them there would make every start of a compiled model miss that cache."""
+    import json
+
+    section = (getattr(args, "additional_config", None) or {}).pop("enginectl", None)
+    if section:
+        os.environ[ENGINE_CONFIG_ENV] = json.dumps(section)
+
+
 class StartupError(Exception):
     """Serving cannot start (e.g. the gRPC port is taken); the process exits non-zero."""
 
@@ -205,8 +220,7 @@ async def _start_plane(
     metrics = ControlPlaneMetrics(ledger)
     updates = WeightUpdates(engine, ledger, operations, allowed_roots=weight_roots or [], expected=expected,
                             on_finished=metrics.update_done)
-    await updates.fingerprint()  # learns the methods GetServerInfo reports (milliseconds)
-    await updates.fingerprint(full=True)
+    await updates.declaration_fingerprint()  # learns the methods GetServerInfo reports (milliseconds)
     plane = ControlPlaneServer(
         ledger, engine_info=engine.info, token=token, tls=tls, log_reads=log_reads,
         metrics=metrics, fpm_relay=fpm.start(ledger) if fpm else None,
@@ -268,6 +282,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     identity = configure_identity(args, loop, stop)  # before the engine, like the relay
     fpm = FpmRelayHost.bind(args)  # before the engine: every EngineCore is told its endpoint
+    hand_over_engine_config(args)
     configure_engine_args(args)  # every worker gets enginectl's weight extension
     engine = await asyncio.to_thread(EngineAdapter.start, args, loop)
     control = ControlLoop().start()

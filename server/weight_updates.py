@@ -362,26 +362,36 @@ class WeightUpdates:
 
     async def fingerprint(self, full: bool = False) -> Fingerprint:
         """Fingerprint the weights in memory now, on every rank (every worker of it)."""
-        per_rank = await self._engine.call_all("collective_rpc", "enginectl_fingerprint", None, (full,), None)
-        ranks = []
-        method = ""
-        for rank_index, workers in enumerate(per_rank):
-            digests = [w["digest"] for w in sorted(workers, key=lambda w: w["worker_rank"])]
-            digest = digests[0] if len(digests) == 1 else hashlib.blake2b("".join(digests).encode(), digest_size=16).hexdigest()
-            ranks.append((int(workers[0]["dp_rank"]) if workers else rank_index, digest))
-            method = workers[0]["method"] if workers else method
-        overall = hashlib.blake2b("|".join(d for _, d in ranks).encode(), digest_size=16).hexdigest()
-        if full:
-            self.full_fingerprint_method = method
-        else:
-            self.fingerprint_method = method
-        return Fingerprint(method=method, digest=overall, ranks=tuple(ranks))
+        return (await self._fingerprints(full=full))[0]
+
+    async def _fingerprints(self, *, full: bool = False, both: bool = False) -> list[Fingerprint]:
+        """One pass on every worker: [sampled or full] or, with `both`, [sampled, full]."""
+        per_rank = await self._engine.call_all("collective_rpc", "enginectl_fingerprint", None, (full, both), None)
+        keys = [("digest", "method"), ("full_digest", "full_method")] if both else [("digest", "method")]
+        out = []
+        for digest_key, method_key in keys:
+            ranks = []
+            method = ""
+            for rank_index, workers in enumerate(per_rank):
+                ordered = sorted(workers, key=lambda w: w["worker_rank"])
+                digests = [w[digest_key] for w in ordered]
+                digest = digests[0] if len(digests) == 1 else hashlib.blake2b(
+                    "".join(digests).encode(), digest_size=16).hexdigest()
+                ranks.append((int(ordered[0]["dp_rank"]) if ordered else rank_index, digest))
+                method = ordered[0][method_key] if ordered else method
+            overall = hashlib.blake2b("|".join(d for _, d in ranks).encode(), digest_size=16).hexdigest()
+            out.append(Fingerprint(method=method, digest=overall, ranks=tuple(ranks)))
+        if both or not full:
+            self.fingerprint_method = out[0].method
+        if both or full:
+            self.full_fingerprint_method = out[-1].method
+        return out
 
     async def declaration_fingerprint(self) -> Fingerprint:
         """Recorded at every declaration: the sampled fingerprint and the full one (VerifyWeights
-        compares like with like; the full one is a CRC32 per tensor, at memory speed)."""
-        sampled = await self.fingerprint(False)
-        self._full_at_declaration = await self.fingerprint(True)
+        compares like with like; the full one is a CRC32 per tensor, at memory speed), in one
+        pass over the weights."""
+        sampled, self._full_at_declaration = await self._fingerprints(both=True)
         return sampled
 
     async def verify(self, full: bool) -> tuple[int, Fingerprint | None, Fingerprint]:

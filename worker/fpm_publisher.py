@@ -15,7 +15,9 @@ of the rank, and gets the next `counter_id` (from 1, dropped samples included).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -35,6 +37,7 @@ log = logging.getLogger("enginectl.worker.fpm")
 
 SCHEMA_VERSION = 1
 CONFIG_KEY = "enginectl"  # vllm_config.additional_config[CONFIG_KEY] (the serve <-> worker contract)
+ENGINE_CONFIG_ENV = "ENGINECTL_ENGINE_CONFIG"  # the same section as JSON; serve.py sets it
 DEFAULT_QUEUE_SIZE = 4096
 SEND_HWM = 4096
 CLOSE_TIMEOUT_S = 2.0
@@ -58,8 +61,12 @@ class PublisherConfig:
 
     @classmethod
     def from_additional_config(cls, additional: Any) -> PublisherConfig:
+        """From `$ENGINECTL_ENGINE_CONFIG` (JSON; what `enginectl serve` hands over, outside
+        vLLM's compile-cache key), else from `additional_config["enginectl"]`."""
         section: Mapping[str, Any] = {}
-        if isinstance(additional, Mapping):
+        if os.environ.get(ENGINE_CONFIG_ENV):
+            section = json.loads(os.environ[ENGINE_CONFIG_ENV])
+        elif isinstance(additional, Mapping):
             section = additional.get(CONFIG_KEY) or {}
         return cls(
             endpoint=str(section.get("fpm_endpoint") or ""),

@@ -331,28 +331,32 @@ class EnginectlWorkerExtension:
 
     # --- fingerprints ------------------------------------------------------------------
 
-    def enginectl_fingerprint(self, full: bool = False) -> dict[str, Any]:
+    def enginectl_fingerprint(self, full: bool = False, both: bool = False) -> dict[str, Any]:
         """Digest of the weights in memory now: every parameter (sampled, or whole with
         `full`) plus, for linear layers whose weights vLLM repacked into an opaque kernel
-        (CPU build), the layer's output for a fixed probe input."""
+        (CPU build), the layer's output for a fixed probe input. With `both`, the sampled
+        and the full digest in one pass ("digest" and "full_digest")."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        digest = hashlib.blake2b(digest_size=16)
+        sampled = hashlib.blake2b(digest_size=16)
+        whole = hashlib.blake2b(digest_size=16)
+        want_sampled, want_full = both or not full, both or full
         probes = 0
         with torch.inference_mode():
             for name, tensor in sorted(model.state_dict(keep_vars=False).items()):
                 if tensor.numel() == 0 or tensor.is_meta:
                     continue
-                digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+                header = f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode()
                 flat = tensor.detach().contiguous().reshape(-1)
-                if full:
+                if want_full:
                     # Every byte, at memory speed (CRC32 runs at ~7 GB/s here; blake2b at ~1).
-                    crc = zlib.crc32(memoryview(flat.view(torch.uint8).numpy()))
-                    digest.update(crc.to_bytes(4, "little"))
-                    continue
-                if flat.numel() > SAMPLE_ELEMENTS:
-                    index = torch.linspace(0, flat.numel() - 1, SAMPLE_ELEMENTS).long()
-                    flat = flat[index].contiguous()
-                digest.update(flat.view(torch.uint8).numpy().tobytes())
+                    whole.update(header)
+                    whole.update(zlib.crc32(memoryview(flat.view(torch.uint8).numpy())).to_bytes(4, "little"))
+                if want_sampled:
+                    if flat.numel() > SAMPLE_ELEMENTS:
+                        index = torch.linspace(0, flat.numel() - 1, SAMPLE_ELEMENTS).long()
+                        flat = flat[index].contiguous()
+                    sampled.update(header)
+                    sampled.update(flat.view(torch.uint8).numpy().tobytes())
             for name, module in sorted(model.named_modules()):
                 linear = getattr(module, "cpu_linear", None)
                 weight = getattr(module, "weight", None)
@@ -363,17 +367,19 @@ class EnginectlWorkerExtension:
                     continue
                 generator = torch.Generator().manual_seed(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
                 probe = torch.randn(1, in_features, generator=generator).to(weight.dtype)
-                out = linear(probe, weight, None)
-                digest.update(name.encode())
-                digest.update(out.float().contiguous().view(torch.uint8).numpy().tobytes())
+                out = linear(probe, weight, None).float().contiguous().view(torch.uint8).numpy().tobytes()
+                for digest in (sampled, whole):
+                    digest.update(name.encode())
+                    digest.update(out)
                 probes += 1
-        method = ("full-crc32" if full else f"sampled{SAMPLE_ELEMENTS}-blake2b") + ("+gemv-probe" if probes else "")
-        return {
-            "dp_rank": self._enginectl_dp_rank(),
-            "worker_rank": int(self.rank),  # type: ignore[attr-defined]
-            "digest": digest.hexdigest(),
-            "method": method,
-        }
+        suffix = "+gemv-probe" if probes else ""
+        result = {"dp_rank": self._enginectl_dp_rank(), "worker_rank": int(self.rank)}  # type: ignore[attr-defined]
+        if want_sampled:
+            result.update(digest=sampled.hexdigest(), method=f"sampled{SAMPLE_ELEMENTS}-blake2b{suffix}")
+        if want_full:
+            key = "full_digest" if both else "digest"
+            result.update({key: whole.hexdigest(), ("full_method" if both else "method"): f"full-crc32{suffix}"})
+        return result
 
 
 def _nbytes(spec: list[Any]) -> int:
