@@ -220,6 +220,7 @@ class WeightUpdates:
         self._groups_in_use: set[str] = set()
         self.fingerprint_method = ""
         self.full_fingerprint_method = ""
+        self._full_token = ""  # names the full fingerprint workers took at the last declaration
         self._ranks_at_update_start: list[dict[str, Any]] = [
             {"dp_rank": r, "paused": False, "running": 0, "waiting": 0} for r in range(self._ranks)]
 
@@ -387,20 +388,47 @@ class WeightUpdates:
             self.full_fingerprint_method = out[-1].method
         return out
 
+    async def learn_methods(self) -> None:
+        """Fingerprint once (both ways) to learn the methods GetServerInfo reports."""
+        await self._fingerprints(both=True)
+
     async def declaration_fingerprint(self) -> Fingerprint:
-        """Recorded at every declaration: the sampled fingerprint and the full one (VerifyWeights
-        compares like with like; the full one is a CRC32 per tensor, at memory speed), in one
-        pass over the weights."""
-        sampled, self._full_at_declaration = await self._fingerprints(both=True)
-        return sampled
+        """Recorded at every declaration: the sampled fingerprint (returned, milliseconds), and
+        the full one (a CRC32 per tensor), which each worker takes on a background thread and
+        keeps under a token for VerifyWeights(full): a declaration does not wait for it."""
+        token = uuid.uuid4().hex
+        per_rank = await self._engine.call_all("collective_rpc", "enginectl_declare_fingerprint", None, (token,), None)
+        self._full_token = token
+        return self._fold(per_rank, "digest", "method")
+
+    def _fold(self, per_rank: list[list[dict[str, Any]]], digest_key: str, method_key: str) -> Fingerprint:
+        """Per-worker digests folded per DP rank (TP workers of a rank combined) and overall."""
+        ranks = []
+        method = ""
+        for rank_index, workers in enumerate(per_rank):
+            ordered = sorted(workers, key=lambda w: w["worker_rank"])
+            digests = [w[digest_key] for w in ordered]
+            digest = digests[0] if len(digests) == 1 else hashlib.blake2b(
+                "".join(digests).encode(), digest_size=16).hexdigest()
+            ranks.append((int(ordered[0]["dp_rank"]) if ordered else rank_index, digest))
+            method = ordered[0][method_key] if ordered else method
+        overall = hashlib.blake2b("|".join(d for _, d in ranks).encode(), digest_size=16).hexdigest()
+        return Fingerprint(method=method, digest=overall, ranks=tuple(ranks))
 
     async def verify(self, full: bool) -> tuple[int, Fingerprint | None, Fingerprint]:
         """(verdict, recorded, current) for VerifyWeights."""
         state = self._ledger.state
-        current = await self.fingerprint(full)
         recorded = state.fingerprint
-        if full and recorded is not None:
-            recorded = getattr(self, "_full_at_declaration", None) if state.declared else None
+        if full:
+            per_rank = await self._engine.call_all("collective_rpc", "enginectl_verify_full", None,
+                                                   (self._full_token,), None)
+            current = self._fold(per_rank, "digest", "method")
+            if recorded is not None:
+                recorded = self._fold(per_rank, "recorded_digest", "method")
+                if not all(digest for _, digest in recorded.ranks):
+                    recorded = None  # no full baseline (e.g. another incarnation of a worker)
+        else:
+            current = await self.fingerprint(False)
         if not state.declared or recorded is None:
             return 3, recorded, current  # VERIFY_VERDICT_UNDECLARED
         return (1 if recorded.digest == current.digest else 2), recorded, current

@@ -155,6 +155,7 @@ class EnginectlWorkerExtension:
     def enginectl_load(self, plan: dict[str, Any]) -> dict[str, Any]:
         """Load the weights `plan` names; returns this worker's result (never raises)."""
         started = time.monotonic()
+        _full_baseline(self).wait()  # never hash weights while they change
         dp_rank = self._enginectl_dp_rank()
         state = _LoadState()
         channel = _Channel(plan, dp_rank)
@@ -331,6 +332,22 @@ class EnginectlWorkerExtension:
 
     # --- fingerprints ------------------------------------------------------------------
 
+    def enginectl_declare_fingerprint(self, token: str) -> dict[str, Any]:
+        """At a declaration: the sampled digest now, and the full digest taken on a thread
+        (CRC32 releases the GIL) so generation resumes without waiting for it; it is kept
+        under `token` for VerifyWeights(full) to compare with."""
+        baseline = _full_baseline(self)
+        baseline.wait()
+        sampled = self.enginectl_fingerprint(False)
+        baseline.start(token, lambda: self.enginectl_fingerprint(True))
+        return sampled
+
+    def enginectl_verify_full(self, token: str) -> dict[str, Any]:
+        """The full digest now, and the one taken at the declaration `token` ("" if none)."""
+        recorded = _full_baseline(self).result(token)
+        current = self.enginectl_fingerprint(True)
+        return dict(current, recorded_digest=recorded["digest"] if recorded else "")
+
     def enginectl_fingerprint(self, full: bool = False, both: bool = False) -> dict[str, Any]:
         """Digest of the weights in memory now: every parameter (sampled, or whole with
         `full`) plus, for linear layers whose weights vLLM repacked into an opaque kernel
@@ -380,6 +397,41 @@ class EnginectlWorkerExtension:
             key = "full_digest" if both else "digest"
             result.update({key: whole.hexdigest(), ("full_method" if both else "method"): f"full-crc32{suffix}"})
         return result
+
+
+class _FullBaseline:
+    """The full fingerprint of the last declaration, computed on a background thread."""
+
+    def __init__(self) -> None:
+        self._token = ""
+        self._thread: threading.Thread | None = None
+        self._result: dict[str, Any] | None = None
+
+    def start(self, token: str, compute: Any) -> None:
+        self.wait()
+        self._token, self._result = token, None
+
+        def run() -> None:
+            self._result = compute()
+
+        self._thread = threading.Thread(target=run, name="enginectl-full-fingerprint", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def result(self, token: str) -> dict[str, Any] | None:
+        self.wait()
+        return self._result if token and token == self._token else None
+
+
+def _full_baseline(worker: Any) -> _FullBaseline:
+    baseline = getattr(worker, "_enginectl_full_baseline", None)
+    if baseline is None:
+        baseline = worker._enginectl_full_baseline = _FullBaseline()
+    return baseline
 
 
 def _nbytes(spec: list[Any]) -> int:
