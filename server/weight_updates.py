@@ -247,13 +247,15 @@ class WeightUpdates:
     def _updating(self) -> bool:
         return self._active is not None and not self._active.done
 
-    async def generation_state(self) -> pb2.GenerationState:
+    async def generation_state(self, known: list[dict[str, Any]] | None = None) -> pb2.GenerationState:
+        """The state as GetGenerationState reports it; `known`: per-rank states the caller
+        already has (saves a round trip to every EngineCore)."""
         if self._updating():
             # The EngineCores are busy loading (they answer no utility until done): report
             # what the update started from, paused.
             ranks = [dict(r, paused=True) for r in self._ranks_at_update_start]
         else:
-            ranks = await self._ranks_state()
+            ranks = known if known is not None else await self._ranks_state()
         state = pb2.GenerationState(
             paused=any(r["paused"] for r in ranks),
             num_running_requests=sum(r["running"] for r in ranks),
@@ -321,8 +323,12 @@ class WeightUpdates:
             ) from None
         self._caller_paused = True
         in_flight = sum(r["running"] + r["waiting"] for r in before)
+        # Right after the pause: KEEP holds the requests where they were, ABORT ended them (no
+        # round trip needed); WAIT took long enough for new arrivals to queue, so ask.
+        after = None if mode == "wait" else [
+            dict(r, paused=True) if mode == "keep" else dict(r, paused=True, running=0, waiting=0) for r in before]
         return pb2.PauseGenerationResponse(
-            state=await self.generation_state(),
+            state=await self.generation_state(after),
             was_paused=was_paused,
             num_aborted_requests=in_flight if mode == "abort" else 0,
             num_paused_requests=in_flight if mode == "keep" else 0,
@@ -346,7 +352,8 @@ class WeightUpdates:
         await self._resume_engine()
         self._caller_paused = False
         self._partial = False
-        return pb2.ResumeGenerationResponse(state=await self.generation_state(), was_paused=was_paused)
+        after = [dict(r, paused=False) for r in ranks]
+        return pb2.ResumeGenerationResponse(state=await self.generation_state(after), was_paused=was_paused)
 
     def _in_progress(self, why: str) -> ControlPlaneError:
         assert self._active is not None
