@@ -171,3 +171,46 @@ async def test_close_ends_watchers() -> None:
     ledger.close()
     with pytest.raises(LedgerClosed):
         await asyncio.wait_for(pending, 5)
+
+
+async def test_update_records_through_the_write_lock_and_a_failure_leaves_no_label() -> None:
+    from enginectl.server.ledger import Failure, Fingerprint
+
+    published: list[str] = []
+
+    async def publish(version: str) -> None:
+        published.append(version)
+
+    ledger = WeightVersionLedger(publish=publish)
+    fingerprint = Fingerprint(method="m", digest="d", ranks=((0, "d"),))
+    async with ledger.writing():
+        state = await ledger.record_update("step-1", WeightSource.DISK, fingerprint)
+    assert (state.declared, state.version, state.revision, state.source) == (True, "step-1", 1, WeightSource.DISK)
+    assert state.fingerprint == fingerprint and published == ["step-1"]
+
+    failure = Failure(reason=Reason.PARTIAL_UPDATE, cause="STREAM_BROKEN", message="trainer died", time=1.0,
+                      attempted_version="step-2", operation="operations/x")
+    async with ledger.writing():
+        failed = ledger.record_failure(failure)
+    assert (failed.declared, failed.version, failed.fingerprint) == (False, None, None)
+    assert failed.last_failure == failure and failed.revision == 1 and failed.etag != state.etag
+
+    async with ledger.writing():  # new weights without a version: no label, the failure is repaired
+        repaired = await ledger.record_update(None, WeightSource.DISK, None)
+    assert (repaired.declared, repaired.version, repaired.last_failure, repaired.revision) == (False, None, None, 1)
+    assert published == ["step-1"]
+    with pytest.raises(AssertionError):
+        ledger.record_failure(failure)  # only under the write lock
+
+
+async def test_declaration_waits_for_an_update_holding_the_lock() -> None:
+    ledger = WeightVersionLedger()
+    lock = ledger.writing()
+    await lock.acquire()
+    declaring = asyncio.ensure_future(ledger.declare("later"))
+    await asyncio.sleep(0)  # let the declaration reach the lock (no time passes)
+    assert not declaring.done()
+    await ledger.record_update("from-update", WeightSource.TENSORS, None)
+    lock.release()
+    state = await declaring
+    assert (state.version, state.revision) == ("later", 2)
