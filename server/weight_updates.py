@@ -376,19 +376,7 @@ class WeightUpdates:
         """One pass on every worker: [sampled or full] or, with `both`, [sampled, full]."""
         per_rank = await self._engine.call_all("collective_rpc", "enginectl_fingerprint", None, (full, both), None)
         keys = [("digest", "method"), ("full_digest", "full_method")] if both else [("digest", "method")]
-        out = []
-        for digest_key, method_key in keys:
-            ranks = []
-            method = ""
-            for rank_index, workers in enumerate(per_rank):
-                ordered = sorted(workers, key=lambda w: w["worker_rank"])
-                digests = [w[digest_key] for w in ordered]
-                digest = digests[0] if len(digests) == 1 else hashlib.blake2b(
-                    "".join(digests).encode(), digest_size=16).hexdigest()
-                ranks.append((int(ordered[0]["dp_rank"]) if ordered else rank_index, digest))
-                method = ordered[0][method_key] if ordered else method
-            overall = hashlib.blake2b("|".join(d for _, d in ranks).encode(), digest_size=16).hexdigest()
-            out.append(Fingerprint(method=method, digest=overall, ranks=tuple(ranks)))
+        out = [self._fold(per_rank, digest_key, method_key) for digest_key, method_key in keys]
         if both or not full:
             self.fingerprint_method = out[0].method
         if both or full:

@@ -485,3 +485,22 @@ def test_grpcurl_starts_an_update_and_waits_for_its_operation(weights_server: Se
     assert response.get("weightVersion", response.get("weight_version"))["version"] == "via-grpcurl"
     assert done["metadata"]["phase"] == "UPDATE_PHASE_DONE"
     assert greedy_tokens(weights_server) == tokens_b
+
+
+def test_cli_loads_verifies_pauses_and_reports_errors(weights_server: ServeProcess, stubs: Stubs,
+                                                      checkpoints: Checkpoints, tokens_b: list[int]) -> None:
+    def cli(*words: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "enginectl"), "--target", weights_server.grpc_target, *words],
+                              capture_output=True, text=True, timeout=120)
+
+    loaded = cli("weights", "load", str(checkpoints.b), "--version", "from-cli")
+    assert loaded.returncode == 0, loaded.stderr
+    assert '"from-cli"' in loaded.stdout and greedy_tokens(weights_server) == tokens_b
+    assert stubs.version().source == wv.WEIGHT_SOURCE_DISK
+    verified = cli("weights", "verify", "--full")
+    assert verified.returncode == 0 and "MATCH" in verified.stdout, verified.stderr
+    assert cli("generation", "pause").returncode == 0 and stubs.state().paused
+    assert cli("generation", "resume").returncode == 0 and not stubs.state().paused
+    refused = cli("weights", "load", "relative/path")
+    assert refused.returncode == 1 and "PATH_INVALID" in refused.stderr
+    assert stubs.version().version == "from-cli"
