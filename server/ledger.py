@@ -195,15 +195,17 @@ class WeightVersionLedger:
             )
 
     async def record_update(
-        self, version: str | None, source: WeightSource, fingerprint: Fingerprint | None
+        self, version: str | None, source: WeightSource, fingerprint: Fingerprint | None,
+        *, published: bool = False,
     ) -> VersionState:
         """A successful update, with the write lock held: declare `version` (or become
-        undeclared without one: new weights never keep an old label); clears last_failure."""
+        undeclared without one: new weights never keep an old label); clears last_failure.
+        `published`: the caller already handed `version` to the engine."""
         assert self._write_lock.locked(), "record_update needs the write lock"
         if version is None:
             return self._commit(declared=False, version=None, source=WeightSource.UNSPECIFIED,
                                 declare_time=None, fingerprint=None, last_failure=None)
-        if self._publish is not None:
+        if self._publish is not None and not published:
             await self._publish(version)
         return self._commit(declared=True, version=version, revision=self._state.revision + 1,
                             source=source, declare_time=self._clock(), fingerprint=fingerprint,

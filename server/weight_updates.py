@@ -221,6 +221,7 @@ class WeightUpdates:
         self.fingerprint_method = ""
         self.full_fingerprint_method = ""
         self._full_token = ""  # names the full fingerprint workers took at the last declaration
+        self._finish_utility = False  # EngineCores have enginectl_finish_update (learn_methods)
         self._ranks_at_update_start: list[dict[str, Any]] = [
             {"dp_rank": r, "paused": False, "running": 0, "waiting": 0} for r in range(self._ranks)]
 
@@ -384,8 +385,17 @@ class WeightUpdates:
         return out
 
     async def learn_methods(self) -> None:
-        """Fingerprint once (both ways) to learn the methods GetServerInfo reports."""
+        """Fingerprint once (both ways) to learn the methods GetServerInfo reports, and
+        whether every EngineCore has enginectl's utilities (it does unless the user's own
+        scheduler replaced enginectl's on a multi-worker engine)."""
         await self._fingerprints(both=True)
+        try:
+            await self._engine.call_all("enginectl_generation_state")
+            self._finish_utility = True
+        except ControlPlaneError:
+            if self._engine.errored:
+                raise
+            self._finish_utility = False
 
     async def declaration_fingerprint(self) -> Fingerprint:
         """Recorded at every declaration: the sampled fingerprint (returned, milliseconds), and
@@ -622,20 +632,33 @@ class WeightUpdates:
                 cause, message = errors[0]
                 raise _UpdateFailed(cause, message, modified=modified)
             op.metadata.weights_modified = modified
-            if plan.reset_cache:
-                self._phase(op, pb2.UPDATE_PHASE_RESETTING_CACHE)
-                await self._engine.call_all("reset_prefix_cache", False, False)
+            resumed = paused_by_update and not self._caller_paused
             self._phase(op, pb2.UPDATE_PHASE_FINGERPRINTING)
-            fingerprint = await self.declaration_fingerprint() if plan.version is not None else None
-            state = await self._ledger.record_update(plan.version, plan.source, fingerprint)
+            if self._finish_utility:
+                # Cache reset, fingerprint, version stamp and resume: one round trip per rank.
+                token = uuid.uuid4().hex if plan.version is not None else ""
+                finished = await self._engine.call_all(
+                    "enginectl_finish_update", plan.reset_cache, token, plan.version, resumed)
+                fingerprint = None
+                if token:
+                    self._full_token = token
+                    fingerprint = self._fold([f["fingerprints"] for f in finished], "digest", "method")
+                state = await self._ledger.record_update(plan.version, plan.source, fingerprint, published=True)
+            else:
+                if plan.reset_cache:
+                    await self._engine.call_all("reset_prefix_cache", False, False)
+                fingerprint = await self.declaration_fingerprint() if plan.version is not None else None
+                state = await self._ledger.record_update(plan.version, plan.source, fingerprint)
             lock.release()
             holding = False
             self._partial = False
-            resumed = False
-            if paused_by_update and not self._caller_paused:
-                self._phase(op, pb2.UPDATE_PHASE_RESUMING)
-                await self._resume_engine()
-                resumed = True
+            if resumed:
+                self._pause_time, self._pause_mode = None, ""
+                if not self._finish_utility:
+                    await self._resume_engine()
+                if self._caller_paused:  # PauseGeneration(KEEP) arrived while we finished
+                    await self._pause_engine("keep", False, None)
+                    resumed = False
             self._phase(op, pb2.UPDATE_PHASE_DONE)
             from enginectl.server.weight_version_service import weight_version_proto
 
