@@ -208,7 +208,7 @@ async def test_close_ends_waiting_subscriptions() -> None:
     relay = FpmRelay(incarnation="inc")
     sub = relay.subscribe(SampleFilter())
     waiter = asyncio.create_task(sub.wait(30))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # ok-sleep: one yield (no time passes) so the waiter is waiting
     relay.close()
     assert await asyncio.wait_for(waiter, 5)
     with pytest.raises(RelayClosed):
@@ -288,7 +288,7 @@ async def test_zmq_fan_in_slow_subscriber_misses_fast_one_does_not(host: FpmRela
             batch, missed = fast.take(1000)
             got.extend(r.sample for r in batch)
             fast_missed += missed
-            await asyncio.sleep(0)  # yield like a real writer would
+            await asyncio.sleep(0)  # ok-sleep: one yield (no time passes), like a real writer
         await sender
         slow_got, slow_missed = drain(slow)
     finally:

@@ -208,7 +208,7 @@ async def test_declaration_waits_for_an_update_holding_the_lock() -> None:
     lock = ledger.writing()
     await lock.acquire()
     declaring = asyncio.ensure_future(ledger.declare("later"))
-    await asyncio.sleep(0)  # let the declaration reach the lock (no time passes)
+    await asyncio.sleep(0)  # ok-sleep: one yield (no time passes) so the declaration reaches the lock
     assert not declaring.done()
     await ledger.record_update("from-update", WeightSource.TENSORS, None)
     lock.release()

@@ -298,11 +298,14 @@ def test_bad_streams_get_their_reasons_and_change_nothing(
 # --- NCCL ------------------------------------------------------------------------------
 
 
-def test_nccl_group_is_refused_without_gpus(client: TrainerClient) -> None:
+def _has_cuda() -> bool:
     import torch
 
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: NCCL is available")
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.skipif(_has_cuda(), reason="this machine has CUDA: NCCL is available")
+def test_nccl_group_is_refused_without_gpus(client: TrainerClient) -> None:
     assert "NCCL" not in client.get_server_info().backends
     assert {"DISK", "GLOO", "TENSOR_STREAM"} <= set(client.get_server_info().backends)
     with pytest.raises(FailedPreconditionError) as err:
@@ -311,11 +314,8 @@ def test_nccl_group_is_refused_without_gpus(client: TrainerClient) -> None:
     assert client.destroy_weights_update_group("nccl-group", allow_missing=True) is False
 
 
+@pytest.mark.skipif(not _has_cuda(), reason="NCCL needs a CUDA GPU on the trainer and the engine; this machine has none")
 def test_nccl_broadcast_on_gpus(client: TrainerClient, checkpoints: Checkpoints, back_to_a: None) -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("NCCL needs a CUDA GPU on the trainer and the engine; this machine has none")
     client.init_weights_update_group("nccl-group", backend="nccl")
     try:
         result = client.broadcast_weights(checkpoints.state_dict("B"), "nccl-B", group_name="nccl-group")
