@@ -177,17 +177,27 @@ def status_details(status: status_pb2.Status) -> tuple[str, dict[str, str], tupl
     return reason, meta, tuple(violations)
 
 
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def from_status(status: status_pb2.Status) -> EnginectlError:
+    """The EnginectlError a google.rpc.Status (e.g. a failed Operation's `error`) stands for."""
+    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    reason, meta, violations = status_details(status)
+    return error_class(code)(
+        code=code, message=status.message, reason=reason, metadata=meta, field_violations=violations
+    )
+
+
 def from_rpc_error(err: grpc.RpcError) -> EnginectlError:
     """Translate a grpc.RpcError (sync or aio) into an EnginectlError carrying its reason."""
     from grpc_status import rpc_status
 
     code: grpc.StatusCode = err.code()
-    message: str = err.details() or ""
     try:
         status = rpc_status.from_call(err)
     except ValueError:  # inconsistent status details: keep the plain code and message
         status = None
-    reason, meta, violations = status_details(status) if status is not None else ("", {}, ())
-    return error_class(code)(
-        code=code, message=message, reason=reason, metadata=meta, field_violations=violations
-    )
+    if status is not None:
+        return from_status(status)
+    return error_class(code)(code=code, message=err.details() or "")

@@ -8,31 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
 from google.longrunning import operations_pb2
-from google.rpc import status_pb2
 
-from enginectl.client.errors import EnginectlError, error_class, status_details
+from enginectl.client.errors import EnginectlError, from_status
 from enginectl.client.types import WeightVersion
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_pb2
 from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
 
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
 def _enum_name(enum: object, value: int, prefix: str) -> str:
     return str(enum.Name(value)).removeprefix(prefix)  # type: ignore[attr-defined]
-
-
-def error_from_status(status: status_pb2.Status) -> EnginectlError:
-    """The EnginectlError a google.rpc.Status (e.g. a failed Operation's `error`) stands for."""
-    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
-    reason, metadata, violations = status_details(status)
-    return error_class(code)(
-        code=code, message=status.message, reason=reason, metadata=metadata, field_violations=violations
-    )
 
 
 @dataclass(frozen=True)
@@ -130,7 +116,7 @@ class UpdateOperation:
         op.metadata.Unpack(metadata)
         response = error = None
         if op.HasField("error"):
-            error = error_from_status(op.error)
+            error = from_status(op.error)
         elif op.HasField("response"):
             msg = pb2.UpdateWeightsResponse()
             op.response.Unpack(msg)

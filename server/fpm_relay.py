@@ -337,10 +337,6 @@ class FpmRelay:
             },
         )
 
-    @property
-    def subscriber_count(self) -> int:
-        return len(self._subscriptions)
-
     def close(self) -> None:
         """End every subscription with RelayClosed (server shutdown)."""
         self._closed = True

@@ -197,6 +197,8 @@ class ControlPlaneServer:
         info.start_time.GetCurrentTime()
         if self.updates is not None:
             info.backends.extend(self.updates.backends())
+            info.fingerprint_method = self.updates.fingerprint_method
+            info.full_fingerprint_method = self.updates.full_fingerprint_method
             info.allowed_weight_roots.extend(str(root) for root in self.updates.allowed_roots)
         if engine is not None:
             info.model = engine.model

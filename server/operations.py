@@ -35,9 +35,9 @@ class UpdateOperation:
         self.response: pb2.UpdateWeightsResponse | None = None
         self.error: status_pb2.Status | None = None
         self.finished = asyncio.Event()
-        # Set by CancelOperation; the update's driver reacts to it.
+        # Set by cancel(); the update checks it before loading.
         self.cancel_requested = asyncio.Event()
-        self.on_cancel: Callable[[], None] | None = None
+        # Stops the update's workers (set by the update once its channels exist).
         self.on_abort: Callable[[str, str], None] | None = None
         # The error as raised, for calls that end with it (the tensor stream).
         self.failure: ControlPlaneError | None = None
@@ -45,6 +45,14 @@ class UpdateOperation:
     @property
     def done(self) -> bool:
         return self.finished.is_set()
+
+    def cancel(self) -> None:
+        """CancelOperation (or shutdown): stop the update if it still runs."""
+        if self.done:
+            return
+        self.cancel_requested.set()
+        if self.on_abort is not None:
+            self.on_abort(Reason.UPDATE_CANCELLED, "CancelOperation")
 
     def touch(self) -> None:
         self.metadata.update_time.FromNanoseconds(time.time_ns())
@@ -152,11 +160,7 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
 
     async def CancelOperation(self, request: operations_pb2.CancelOperationRequest,
                               context: grpc.aio.ServicerContext) -> empty_pb2.Empty:
-        op = self._store.get(request.name)
-        if not op.done:
-            op.cancel_requested.set()
-            if op.on_cancel is not None:
-                op.on_cancel()
+        self._store.get(request.name).cancel()
         return empty_pb2.Empty()
 
     async def DeleteOperation(self, request: operations_pb2.DeleteOperationRequest,

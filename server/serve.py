@@ -220,7 +220,7 @@ async def _start_plane(
     metrics = ControlPlaneMetrics(ledger)
     updates = WeightUpdates(engine, ledger, operations, allowed_roots=weight_roots or [], expected=expected,
                             on_finished=metrics.update_done)
-    await updates.learn_methods()  # for GetServerInfo (milliseconds)
+    await updates.prepare()  # milliseconds
     plane = ControlPlaneServer(
         ledger, engine_info=engine.info, token=token, tls=tls, log_reads=log_reads,
         metrics=metrics, fpm_relay=fpm.start(ledger) if fpm else None,

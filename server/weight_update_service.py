@@ -62,9 +62,6 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
 
     async def GetServerInfo(self, request: pb2.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> pb2.GetServerInfoResponse:
-        if self._updates is not None and not self._info.fingerprint_method and self._updates.fingerprint_method:
-            self._info.fingerprint_method = self._updates.fingerprint_method
-            self._info.full_fingerprint_method = self._updates.full_fingerprint_method
         return self._info
 
     async def PauseGeneration(self, request: pb2.PauseGenerationRequest,

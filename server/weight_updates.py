@@ -156,9 +156,6 @@ class _Channels:
         frames = [b"chunk", struct.pack("<Q", offset), data]
         await asyncio.gather(*(sock.send_multipart(frames, copy=False) for sock in self.data))
 
-    async def send_end(self) -> None:
-        await asyncio.gather(*(sock.send_multipart([b"end"]) for sock in self.data))
-
     def abort(self, cause: str, message: str) -> None:
         """Tell every rank to stop; never blocks (delivery is retried in the background)."""
         if self.aborted is None:
@@ -221,29 +218,24 @@ class WeightUpdates:
         self.fingerprint_method = ""
         self.full_fingerprint_method = ""
         self._full_token = ""  # names the full fingerprint workers took at the last declaration
-        self._finish_utility = False  # EngineCores have enginectl_finish_update (learn_methods)
+        self._utilities = False  # EngineCores have enginectl's utilities (see prepare)
         self._ranks_at_update_start: list[dict[str, Any]] = [
             {"dp_rank": r, "paused": False, "running": 0, "waiting": 0} for r in range(self._ranks)]
 
     def close(self) -> None:
-        if self._active is not None and not self._active.done:
-            self._active.cancel_requested.set()
-            if self._active.on_cancel is not None:
-                self._active.on_cancel()
+        if self._active is not None:
+            self._active.cancel()
         self._ctx.destroy(0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # --- generation ------------------------------------------------------------------
 
     async def _ranks_state(self) -> list[dict[str, Any]]:
-        try:
+        if self._utilities:
             return list(await self._engine.call_all("enginectl_generation_state"))
-        except ControlPlaneError as exc:
-            if exc.reason == Reason.ENGINE_DEAD and not self._engine.errored:
-                # An EngineCore without enginectl's utilities (another scheduler): less detail.
-                paused = await self._engine.call_all("is_scheduler_paused")
-                return [{"dp_rank": i, "paused": p, "running": 0, "waiting": 0} for i, p in enumerate(paused)]
-            raise
+        # EngineCores without enginectl's utilities (the user's scheduler): less detail.
+        paused = await self._engine.call_all("is_scheduler_paused")
+        return [{"dp_rank": i, "paused": p, "running": 0, "waiting": 0} for i, p in enumerate(paused)]
 
     def _updating(self) -> bool:
         return self._active is not None and not self._active.done
@@ -266,9 +258,8 @@ class WeightUpdates:
                                            num_waiting_requests=r["waiting"]) for r in ranks],
         )
         if state.paused:
-            if self._active is not None and not self._active.done and not self._caller_paused:
+            if self._updating() and not self._caller_paused:
                 state.reason = pb2.PAUSE_REASON_UPDATE
-                state.update_operation = self._active.name
             elif self._partial:
                 state.reason = pb2.PAUSE_REASON_PARTIAL_UPDATE
             elif self._caller_paused:
@@ -279,7 +270,8 @@ class WeightUpdates:
                 state.mode = {v: k for k, v in PAUSE_MODES.items()}[self._pause_mode]
             if self._pause_time is not None:
                 state.pause_time.FromNanoseconds(int(self._pause_time * 1e9))
-        if self._active is not None and not self._active.done:
+        if self._updating():
+            assert self._active is not None
             state.update_operation = self._active.name
         return state
 
@@ -371,31 +363,20 @@ class WeightUpdates:
 
     async def fingerprint(self, full: bool = False) -> Fingerprint:
         """Fingerprint the weights in memory now, on every rank (every worker of it)."""
-        return (await self._fingerprints(full=full))[0]
+        per_rank = await self._engine.call_all("collective_rpc", "enginectl_fingerprint", None, (full,), None)
+        return self._fold(per_rank, "digest", "method")
 
-    async def _fingerprints(self, *, full: bool = False, both: bool = False) -> list[Fingerprint]:
-        """One pass on every worker: [sampled or full] or, with `both`, [sampled, full]."""
-        per_rank = await self._engine.call_all("collective_rpc", "enginectl_fingerprint", None, (full, both), None)
-        keys = [("digest", "method"), ("full_digest", "full_method")] if both else [("digest", "method")]
-        out = [self._fold(per_rank, digest_key, method_key) for digest_key, method_key in keys]
-        if both or not full:
-            self.fingerprint_method = out[0].method
-        if both or full:
-            self.full_fingerprint_method = out[-1].method
-        return out
-
-    async def learn_methods(self) -> None:
-        """Fingerprint once (both ways) to learn the methods GetServerInfo reports, and
-        whether every EngineCore has enginectl's utilities (it does unless the user's own
-        scheduler replaced enginectl's on a multi-worker engine)."""
-        await self._fingerprints(both=True)
+    async def prepare(self) -> None:
+        """Once, before serving: learn whether every EngineCore has enginectl's utilities (it
+        does unless the user's own scheduler replaced enginectl's on a multi-worker engine)
+        and, from one sampled fingerprint (milliseconds), the methods GetServerInfo reports."""
         try:
             await self._engine.call_all("enginectl_generation_state")
-            self._finish_utility = True
+            self._utilities = True
         except ControlPlaneError:
             if self._engine.errored:
                 raise
-            self._finish_utility = False
+        await self.fingerprint()
 
     async def declaration_fingerprint(self) -> Fingerprint:
         """Recorded at every declaration: the sampled fingerprint (returned, milliseconds), and
@@ -416,7 +397,10 @@ class WeightUpdates:
             digest = digests[0] if len(digests) == 1 else hashlib.blake2b(
                 "".join(digests).encode(), digest_size=16).hexdigest()
             ranks.append((int(ordered[0]["dp_rank"]) if ordered else rank_index, digest))
-            method = ordered[0][method_key] if ordered else method
+            if ordered:
+                method = ordered[0][method_key]
+                self.fingerprint_method = ordered[0]["sampled_method"]
+                self.full_fingerprint_method = ordered[0]["full_method"]
         overall = hashlib.blake2b("|".join(d for _, d in ranks).encode(), digest_size=16).hexdigest()
         return Fingerprint(method=method, digest=overall, ranks=tuple(ranks))
 
@@ -595,7 +579,6 @@ class WeightUpdates:
         started = time.monotonic()
         deadline = time.time() + plan.timeout
         channels = _Channels(self._ctx, self._dir, op_id[:36], self._ranks)
-        op.on_cancel = lambda: channels.abort("UPDATE_CANCELLED", "CancelOperation")
         op.on_abort = channels.abort
         paused_by_update = False
         holding = True  # the ledger's write lock, taken in start()
@@ -634,7 +617,7 @@ class WeightUpdates:
             op.metadata.weights_modified = modified
             resumed = paused_by_update and not self._caller_paused
             self._phase(op, pb2.UPDATE_PHASE_FINGERPRINTING)
-            if self._finish_utility:
+            if self._utilities:
                 # Cache reset, fingerprint, version stamp and resume: one round trip per rank.
                 token = uuid.uuid4().hex if plan.version is not None else ""
                 finished = await self._engine.call_all(
@@ -654,7 +637,7 @@ class WeightUpdates:
             self._partial = False
             if resumed:
                 self._pause_time, self._pause_mode = None, ""
-                if not self._finish_utility:
+                if not self._utilities:
                     await self._resume_engine()
                 if self._caller_paused:  # PauseGeneration(KEEP) arrived while we finished
                     await self._pause_engine("keep", False, None)

@@ -182,7 +182,8 @@ class EnginectlWorkerExtension:
                 except Abort as exc:
                     state.error = (exc.cause, str(exc))
                 except Exception as exc:  # a broken sender, a truncated file, ...
-                    state.error = (_cause_of(exc, source), f"{type(exc).__name__}: {exc}")
+                    cause = "STREAM_BROKEN" if source == "distributed" else "LOAD_FAILED"
+                    state.error = (cause, f"{type(exc).__name__}: {exc}")
 
             try:
                 self.reload_weights(weights_iterator=guarded())  # type: ignore[attr-defined]
@@ -220,13 +221,9 @@ class EnginectlWorkerExtension:
         total = sum(_nbytes(spec) for spec in specs)
         buffer = _reusable_buffer(self, total)
         view = memoryview(buffer.numpy())
-        received = 0
         index, start = 0, 0
         while index < len(specs):
-            frames = channel.recv()
-            kind = bytes(frames[0].buffer)
-            if kind == b"end":
-                raise Abort("DATA_SIZE_MISMATCH", f"the stream ended after {received} of {total} bytes")
+            frames = channel.recv()  # a chunk (an abort raises: short streams end that way)
             (offset,) = struct.unpack("<Q", bytes(frames[1].buffer))
             data = frames[2].buffer
             view[offset:offset + len(data)] = data
@@ -348,32 +345,27 @@ class EnginectlWorkerExtension:
         current = self.enginectl_fingerprint(True)
         return dict(current, recorded_digest=recorded["digest"] if recorded else "")
 
-    def enginectl_fingerprint(self, full: bool = False, both: bool = False) -> dict[str, Any]:
+    def enginectl_fingerprint(self, full: bool = False) -> dict[str, Any]:
         """Digest of the weights in memory now: every parameter (sampled, or whole with
         `full`) plus, for linear layers whose weights vLLM repacked into an opaque kernel
-        (CPU build), the layer's output for a fixed probe input. With `both`, the sampled
-        and the full digest in one pass ("digest" and "full_digest")."""
+        (CPU build), the layer's output for a fixed probe input. Names both methods."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        sampled = hashlib.blake2b(digest_size=16)
-        whole = hashlib.blake2b(digest_size=16)
-        want_sampled, want_full = both or not full, both or full
+        digest = hashlib.blake2b(digest_size=16)
         probes = 0
         with torch.inference_mode():
             for name, tensor in sorted(model.state_dict(keep_vars=False).items()):
                 if tensor.numel() == 0 or tensor.is_meta:
                     continue
-                header = f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode()
+                digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
                 flat = tensor.detach().contiguous().reshape(-1)
-                if want_full:
+                if full:
                     # Every byte, at memory speed (CRC32 runs at ~7 GB/s here; blake2b at ~1).
-                    whole.update(header)
-                    whole.update(zlib.crc32(memoryview(flat.view(torch.uint8).numpy())).to_bytes(4, "little"))
-                if want_sampled:
-                    if flat.numel() > SAMPLE_ELEMENTS:
-                        index = torch.linspace(0, flat.numel() - 1, SAMPLE_ELEMENTS).long()
-                        flat = flat[index].contiguous()
-                    sampled.update(header)
-                    sampled.update(flat.view(torch.uint8).numpy().tobytes())
+                    digest.update(zlib.crc32(memoryview(flat.view(torch.uint8).numpy())).to_bytes(4, "little"))
+                    continue
+                if flat.numel() > SAMPLE_ELEMENTS:
+                    index = torch.linspace(0, flat.numel() - 1, SAMPLE_ELEMENTS).long()
+                    flat = flat[index].contiguous()
+                digest.update(flat.view(torch.uint8).numpy().tobytes())
             for name, module in sorted(model.named_modules()):
                 linear = getattr(module, "cpu_linear", None)
                 weight = getattr(module, "weight", None)
@@ -384,19 +376,19 @@ class EnginectlWorkerExtension:
                     continue
                 generator = torch.Generator().manual_seed(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
                 probe = torch.randn(1, in_features, generator=generator).to(weight.dtype)
-                out = linear(probe, weight, None).float().contiguous().view(torch.uint8).numpy().tobytes()
-                for digest in (sampled, whole):
-                    digest.update(name.encode())
-                    digest.update(out)
+                digest.update(name.encode())
+                digest.update(linear(probe, weight, None).float().contiguous().view(torch.uint8).numpy().tobytes())
                 probes += 1
         suffix = "+gemv-probe" if probes else ""
-        result = {"dp_rank": self._enginectl_dp_rank(), "worker_rank": int(self.rank)}  # type: ignore[attr-defined]
-        if want_sampled:
-            result.update(digest=sampled.hexdigest(), method=f"sampled{SAMPLE_ELEMENTS}-blake2b{suffix}")
-        if want_full:
-            key = "full_digest" if both else "digest"
-            result.update({key: whole.hexdigest(), ("full_method" if both else "method"): f"full-crc32{suffix}"})
-        return result
+        sampled_method, full_method = f"sampled{SAMPLE_ELEMENTS}-blake2b{suffix}", f"full-crc32{suffix}"
+        return {
+            "dp_rank": self._enginectl_dp_rank(),
+            "worker_rank": int(self.rank),  # type: ignore[attr-defined]
+            "digest": digest.hexdigest(),
+            "method": full_method if full else sampled_method,
+            "sampled_method": sampled_method,
+            "full_method": full_method,
+        }
 
 
 class _FullBaseline:
@@ -449,12 +441,6 @@ def _reusable_buffer(worker: Any, size: int) -> torch.Tensor:
         buffer = torch.empty(size, dtype=torch.uint8)
         worker._enginectl_stream_buffer = buffer
     return buffer[:size]
-
-
-def _cause_of(exc: Exception, source: str) -> str:
-    if source == "distributed":
-        return "STREAM_BROKEN"
-    return "LOAD_FAILED"
 
 
 def _finalize_after_failure(worker: Any) -> None:
