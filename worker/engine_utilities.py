@@ -34,7 +34,11 @@ def enginectl_finish_update(self: EngineCore, reset_cache: bool, fingerprint_tok
     prefix cache, fingerprint the weights (workers keep the full one under the token), stamp
     `version` on outputs, resume. Returns the workers' fingerprints ([] without a token)."""
     if reset_cache:
-        self.reset_prefix_cache(False, False)
+        # Running requests (kept by a KEEP pause) hold blocks computed with the old weights: a
+        # reset that spares them fails quietly and new requests would reuse that KV. Preempt
+        # them as vLLM's own pause(clear_cache) does; they recompute with the new weights.
+        if not self.reset_prefix_cache(True, False):
+            raise RuntimeError("the prefix cache could not be reset")
     fingerprints = (self.collective_rpc("enginectl_declare_fingerprint", None, (fingerprint_token,), None)
                     if fingerprint_token else [])
     if version is not None:

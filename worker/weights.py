@@ -19,12 +19,10 @@ progress goes back on a PUSH socket.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import queue
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +31,7 @@ import torch
 import zmq
 
 import enginectl.worker.engine_utilities  # noqa: F401  (attaches the EngineCore utility)
+from enginectl.worker.fingerprints import FingerprintMixin, weight_access
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -40,7 +39,6 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64, "uint8": torch.uint8, "bool": torch.bool,
     "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
 }
-SAMPLE_ELEMENTS = 256  # per tensor, in the default (sampled) fingerprint
 PROGRESS_INTERVAL_S = 0.05
 POLL_MS = 20
 
@@ -59,6 +57,7 @@ class _Group:
     pg: Any
     rank: int
     world_size: int
+    timeout: float  # gloo's (or NCCL's) own bound on one collective
     broken: str | None = None
     # Receive buffers by (name, dtype, shape), reused across updates: fresh pages are slow.
     buffers: dict[tuple[str, str, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
@@ -81,6 +80,7 @@ class _Channel:
         self._peek_aborts = plan["source"] != "tensors"
         self.dp_rank = dp_rank
         self._last_progress = 0.0
+        self._latest = self._sent = (0, 0)  # (tensors, bytes) loaded; and as last reported
 
     def check(self) -> None:
         """Raise Abort if the server sent one or the deadline passed; never blocks."""
@@ -95,6 +95,7 @@ class _Channel:
             remaining = self.deadline - time.time()
             if remaining <= 0:
                 raise Abort("UPDATE_TIMEOUT", "the update's timeout elapsed while receiving")
+            self.flush()
             if self.data.poll(min(POLL_MS * 10, int(remaining * 1000) + 1)):
                 frames = self.data.recv_multipart(copy=False)
                 self._handle(frames)
@@ -107,18 +108,34 @@ class _Channel:
             raise Abort(cause, message)
 
     def progress(self, tensors: int, nbytes: int, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_progress < PROGRESS_INTERVAL_S:
+        """Report what this worker has loaded: at most every PROGRESS_INTERVAL_S while loading;
+        `flush` sends what is still unreported whenever the worker waits for data, so the
+        Operation's progress never lags the weights by more than an interval and a poll."""
+        self._latest = (tensors, nbytes)
+        if force or time.monotonic() - self._last_progress >= PROGRESS_INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._latest == self._sent:
             return
-        self._last_progress = now
         try:
-            self.progress_socket.send(struct.pack("<iIQ", self.dp_rank, tensors, nbytes), zmq.NOBLOCK)
+            self.progress_socket.send(struct.pack("<iIQ", self.dp_rank, *self._latest), zmq.NOBLOCK)
         except zmq.Again:
-            pass
+            return  # the server is behind; the next progress or flush sends the latest
+        self._sent = self._latest
+        self._last_progress = time.monotonic()
 
     def close(self) -> None:
         self.data.close(0)
         self.progress_socket.close(0)
+
+
+@dataclass(frozen=True)
+class _ReceiveFailed:
+    """The broadcast receive thread's failure, handed to the loading thread."""
+
+    error: BaseException
+    timed_out: bool
 
 
 @dataclass
@@ -129,7 +146,7 @@ class _LoadState:
     error: tuple[str, str] | None = None
 
 
-class EnginectlWorkerExtension:
+class EnginectlWorkerExtension(FingerprintMixin):
     """Mixed into vLLM's worker class (`--worker-extension-cls`); see the module docstring."""
 
     # --- identity of this worker -------------------------------------------------------
@@ -154,8 +171,11 @@ class EnginectlWorkerExtension:
 
     def enginectl_load(self, plan: dict[str, Any]) -> dict[str, Any]:
         """Load the weights `plan` names; returns this worker's result (never raises)."""
+        with weight_access(self, "load"):
+            return self._enginectl_load(plan)
+
+    def _enginectl_load(self, plan: dict[str, Any]) -> dict[str, Any]:
         started = time.monotonic()
-        _full_baseline(self).wait()  # never hash weights while they change
         dp_rank = self._enginectl_dp_rank()
         state = _LoadState()
         channel = _Channel(plan, dp_rank)
@@ -174,6 +194,8 @@ class EnginectlWorkerExtension:
                 try:
                     for name, tensor in tensors:
                         channel.check()
+                        if state.yielded == 0:
+                            self.enginectl_weights_changing()
                         state.yielded += 1
                         yield name, tensor
                         state.loaded += 1
@@ -246,16 +268,18 @@ class EnginectlWorkerExtension:
             raise Abort("GROUP_NOT_FOUND", f"no update group {plan['group']!r} on this worker")
         if group.broken:
             raise Abort("GROUP_BROKEN", group.broken)
-        received: queue.Queue[tuple[str, torch.Tensor] | BaseException | None] = queue.Queue(maxsize=2)
+        received: queue.Queue[tuple[str, torch.Tensor] | _ReceiveFailed | None] = queue.Queue(maxsize=2)
         stop = threading.Event()
 
         def receive() -> None:
+            waiting_since = time.monotonic()
             try:
                 for name, dtype, shape in plan["tensors"]:
                     key = (name, dtype, tuple(shape))
                     tensor = group.buffers.get(key)
                     if tensor is None:
                         tensor = group.buffers[key] = torch.empty(shape, dtype=DTYPES[dtype])
+                    waiting_since = time.monotonic()
                     group.pg.broadcast(tensor, 0).wait()
                     while not stop.is_set():
                         try:
@@ -268,22 +292,32 @@ class EnginectlWorkerExtension:
                 received.put(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
                 group.broken = f"{type(exc).__name__}: {exc}"
-                received.put(exc)
+                # gloo raises the same error type for its timeout and for a dead peer: a failure
+                # after (nearly) the group's whole timeout of waiting is the timeout.
+                waited = time.monotonic() - waiting_since
+                received.put(_ReceiveFailed(exc, timed_out=waited >= 0.9 * group.timeout))
 
         thread = threading.Thread(target=receive, name=f"enginectl-recv-{group.name}", daemon=True)
         thread.start()
         try:
             while True:
-                channel.check()
+                try:
+                    channel.check()
+                except Abort as exc:
+                    if exc.cause == "UPDATE_TIMEOUT":  # still receiving: the broadcast is late
+                        raise Abort("GROUP_TIMEOUT", f"the broadcast did not complete in time: {exc}") from None
+                    raise
                 try:
                     item = received.get(timeout=POLL_MS / 1000)
                 except queue.Empty:
+                    channel.flush()
                     continue
                 if item is None:
                     return
-                if isinstance(item, BaseException):
-                    raise Abort("GROUP_TIMEOUT" if "imeout" in str(item) else "STREAM_BROKEN",
-                                f"the broadcast failed: {type(item).__name__}: {item}")
+                if isinstance(item, _ReceiveFailed):
+                    late = item.timed_out or time.time() >= channel.deadline
+                    raise Abort("GROUP_TIMEOUT" if late else "STREAM_BROKEN",
+                                f"the broadcast failed: {type(item.error).__name__}: {item.error}")
                 yield item
         finally:
             stop.set()
@@ -312,7 +346,7 @@ class EnginectlWorkerExtension:
             pg: Any = torch.distributed.ProcessGroupNCCL(prefixed, rank, int(spec["world_size"]), options)
         else:
             pg = torch.distributed.ProcessGroupGloo(prefixed, rank, int(spec["world_size"]), timeout)
-        groups[spec["name"]] = _Group(spec["name"], pg, rank, int(spec["world_size"]))
+        groups[spec["name"]] = _Group(spec["name"], pg, rank, int(spec["world_size"]), timeout.total_seconds())
         # A first barrier-like broadcast proves every member joined before we answer.
         probe = torch.zeros(1, dtype=torch.int64)
         pg.broadcast(probe, 0).wait()
@@ -326,104 +360,6 @@ class EnginectlWorkerExtension:
         # Dropping the last reference closes gloo's connections (no collective needed).
         del group
         return True
-
-    # --- fingerprints ------------------------------------------------------------------
-
-    def enginectl_declare_fingerprint(self, token: str) -> dict[str, Any]:
-        """At a declaration: the sampled digest now, and the full digest taken on a thread
-        (CRC32 releases the GIL) so generation resumes without waiting for it; it is kept
-        under `token` for VerifyWeights(full) to compare with."""
-        baseline = _full_baseline(self)
-        baseline.wait()
-        sampled = self.enginectl_fingerprint(False)
-        baseline.start(token, lambda: self.enginectl_fingerprint(True))
-        return sampled
-
-    def enginectl_verify_full(self, token: str) -> dict[str, Any]:
-        """The full digest now, and the one taken at the declaration `token` ("" if none)."""
-        recorded = _full_baseline(self).result(token)
-        current = self.enginectl_fingerprint(True)
-        return dict(current, recorded_digest=recorded["digest"] if recorded else "")
-
-    def enginectl_fingerprint(self, full: bool = False) -> dict[str, Any]:
-        """Digest of the weights in memory now: every parameter (sampled, or whole with
-        `full`) plus, for linear layers whose weights vLLM repacked into an opaque kernel
-        (CPU build), the layer's output for a fixed probe input. Names both methods."""
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        digest = hashlib.blake2b(digest_size=16)
-        probes = 0
-        with torch.inference_mode():
-            for name, tensor in sorted(model.state_dict(keep_vars=False).items()):
-                if tensor.numel() == 0 or tensor.is_meta:
-                    continue
-                digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-                flat = tensor.detach().contiguous().reshape(-1)
-                if full:
-                    # Every byte, at memory speed (CRC32 runs at ~7 GB/s here; blake2b at ~1).
-                    digest.update(zlib.crc32(memoryview(flat.view(torch.uint8).numpy())).to_bytes(4, "little"))
-                    continue
-                if flat.numel() > SAMPLE_ELEMENTS:
-                    index = torch.linspace(0, flat.numel() - 1, SAMPLE_ELEMENTS).long()
-                    flat = flat[index].contiguous()
-                digest.update(flat.view(torch.uint8).numpy().tobytes())
-            for name, module in sorted(model.named_modules()):
-                linear = getattr(module, "cpu_linear", None)
-                weight = getattr(module, "weight", None)
-                if linear is None or weight is None or weight.numel() > 0:
-                    continue  # the weight itself is hashed above
-                in_features = int(getattr(module, "input_size_per_partition", 0) or getattr(module, "input_size", 0))
-                if in_features <= 0:
-                    continue
-                generator = torch.Generator().manual_seed(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
-                probe = torch.randn(1, in_features, generator=generator).to(weight.dtype)
-                digest.update(name.encode())
-                digest.update(linear(probe, weight, None).float().contiguous().view(torch.uint8).numpy().tobytes())
-                probes += 1
-        suffix = "+gemv-probe" if probes else ""
-        sampled_method, full_method = f"sampled{SAMPLE_ELEMENTS}-blake2b{suffix}", f"full-crc32{suffix}"
-        return {
-            "dp_rank": self._enginectl_dp_rank(),
-            "worker_rank": int(self.rank),  # type: ignore[attr-defined]
-            "digest": digest.hexdigest(),
-            "method": full_method if full else sampled_method,
-            "sampled_method": sampled_method,
-            "full_method": full_method,
-        }
-
-
-class _FullBaseline:
-    """The full fingerprint of the last declaration, computed on a background thread."""
-
-    def __init__(self) -> None:
-        self._token = ""
-        self._thread: threading.Thread | None = None
-        self._result: dict[str, Any] | None = None
-
-    def start(self, token: str, compute: Any) -> None:
-        self.wait()
-        self._token, self._result = token, None
-
-        def run() -> None:
-            self._result = compute()
-
-        self._thread = threading.Thread(target=run, name="enginectl-full-fingerprint", daemon=True)
-        self._thread.start()
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def result(self, token: str) -> dict[str, Any] | None:
-        self.wait()
-        return self._result if token and token == self._token else None
-
-
-def _full_baseline(worker: Any) -> _FullBaseline:
-    baseline = getattr(worker, "_enginectl_full_baseline", None)
-    if baseline is None:
-        baseline = worker._enginectl_full_baseline = _FullBaseline()
-    return baseline
 
 
 def _nbytes(spec: list[Any]) -> int:

@@ -1,0 +1,111 @@
+"""WeightFingerprints: the digests behind a declaration's fingerprint and VerifyWeights.
+
+Runs in the `enginectl serve` process, on the control loop. The workers compute the digests
+(worker/fingerprints.py) inside worker RPCs, which vLLM serialises with the forward pass; this
+module only decides what to ask for and when:
+- a declaration records the sampled digest at once (milliseconds, one round trip) and starts
+  the full baseline: slices of at most worker SLICE_BYTES, one EngineCore round trip each, so
+  the EngineCore runs generation steps between them;
+- VerifyWeights(full) first lets the baseline finish, then takes the full digest of the
+  weights now, also in slices;
+- an update lets the baseline finish before it writes (the declaration it may fail back to
+  keeps a full baseline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from typing import Any
+
+import structlog
+
+from enginectl.server.engine import EngineAdapter
+from enginectl.server.ledger import Fingerprint
+
+log = structlog.get_logger("enginectl.fingerprints")
+
+Workers = list[list[dict[str, Any]]]  # per DP rank, per worker of that rank
+
+
+class WeightFingerprints:
+    """Sampled and full digests of the weights on every rank (see the module docstring)."""
+
+    def __init__(self, engine: EngineAdapter) -> None:
+        self._engine = engine
+        self.sampled_method = ""
+        self.full_method = ""
+        self._baseline: asyncio.Task[Fingerprint | None] | None = None
+
+    async def sampled(self) -> Fingerprint:
+        """The sampled digest of the weights now (milliseconds)."""
+        return self._fold(await self._rpc("enginectl_fingerprint"))
+
+    async def declaration(self) -> Fingerprint:
+        """For a declaration: the sampled digest now; the full baseline follows in slices."""
+        token = uuid.uuid4().hex
+        return self.declared(token, await self._rpc("enginectl_declare_fingerprint", token))
+
+    def declared(self, token: str, workers: Workers) -> Fingerprint:
+        """Record that the workers took the sampled digest `workers` of a declaration under
+        `token` (directly or inside another utility), and start its full baseline."""
+        self._baseline = asyncio.ensure_future(self._drive("baseline", token))
+        self._baseline.add_done_callback(_retrieve)
+        return self._fold(workers)
+
+    async def settle(self) -> None:
+        """Let the running full baseline finish (before weights change)."""
+        await self._recorded_full()
+
+    async def verify_full(self) -> tuple[Fingerprint | None, Fingerprint]:
+        """(recorded full digest of the last declaration, or None; full digest now)."""
+        recorded = await self._recorded_full()
+        current = await self._drive("verify", uuid.uuid4().hex)
+        assert current is not None  # a verify job is never superseded
+        return recorded, current
+
+    async def _recorded_full(self) -> Fingerprint | None:
+        baseline = self._baseline
+        if baseline is None:
+            return None
+        return await asyncio.shield(baseline)
+
+    async def _drive(self, job: str, token: str) -> Fingerprint | None:
+        """Slices until every worker is done; None when the workers say another declaration
+        or a write superseded this baseline."""
+        while True:
+            workers = await self._rpc("enginectl_full_digest", job, token)
+            flat = [w for rank in workers for w in rank]
+            if any(w["superseded"] for w in flat):
+                return None
+            if all(w["done"] for w in flat):
+                return self._fold(workers)
+
+    async def _rpc(self, method: str, *args: Any) -> Workers:
+        return list(await self._engine.call_all("collective_rpc", method, None, args, None))
+
+    def _fold(self, per_rank: Workers) -> Fingerprint:
+        """Per-worker digests folded per DP rank (TP workers of a rank combined) and overall."""
+        ranks = []
+        method = ""
+        for rank_index, workers in enumerate(per_rank):
+            ordered = sorted(workers, key=lambda w: w["worker_rank"])
+            digests = [w["digest"] for w in ordered]
+            digest = digests[0] if len(digests) == 1 else hashlib.blake2b(
+                "".join(digests).encode(), digest_size=16).hexdigest()
+            ranks.append((int(ordered[0]["dp_rank"]) if ordered else rank_index, digest))
+            if ordered:
+                method = ordered[0]["method"]
+                if "sampled_method" in ordered[0]:
+                    self.sampled_method = ordered[0]["sampled_method"]
+                    self.full_method = ordered[0]["full_method"]
+        overall = hashlib.blake2b("|".join(d for _, d in ranks).encode(), digest_size=16).hexdigest()
+        return Fingerprint(method=method, digest=overall, ranks=tuple(ranks))
+
+
+def _retrieve(task: asyncio.Task[Fingerprint | None]) -> None:
+    """A baseline nobody awaited failed (the engine died): its error is reported to whoever
+    asks next (VerifyWeights, an update), not as an unretrieved-exception warning."""
+    if not task.cancelled():
+        task.exception()

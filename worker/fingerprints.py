@@ -1,0 +1,278 @@
+"""Fingerprints of the weights a vLLM worker holds, and the rule of who may touch them.
+
+Runs INSIDE every vLLM worker process, mixed into the worker by `EnginectlWorkerExtension`
+(worker/weights.py); the `enginectl serve` process reaches these methods through
+`collective_rpc` on every EngineCore (server/fingerprints.py drives them).
+
+Who may touch the weights, and when (README "Threads and the weights"):
+- The model's parameters and kernels (including the CPU build's packed linear kernels) are
+  read, written or run by enginectl only inside a worker RPC, on the thread vLLM runs worker
+  RPCs on. vLLM runs those RPCs one at a time on that thread, `execute_model` (the forward
+  pass) among them, so an enginectl RPC never overlaps a forward pass.
+- No enginectl thread touches them: background threads only move bytes into receive buffers
+  that the RPC thread then hands to `reload_weights`.
+- Work that is long (the full digest of every byte) is cut into slices of bounded size; the
+  server sends one slice per EngineCore round trip, and the EngineCore handles utility calls
+  between steps, so a slice costs a step at most `SLICE_SECONDS` plus one small gemv per
+  packed layer at the end.
+`weight_access` enforces the first two rules: every entry point that touches weights runs
+inside it, and it refuses a second thread or an overlapping entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SAMPLE_ELEMENTS = 256  # per tensor, in the default (sampled) fingerprint
+SLICE_BYTES = 32 << 20  # of the full digest per round trip (~5 ms at CRC32's ~7 GB/s here)
+SLICE_SECONDS = 0.008  # a slice also stops after this long, whatever its byte count
+
+
+class WeightAccessError(RuntimeError):
+    """Weights touched from a thread or at a time the rule above forbids (a bug)."""
+
+
+class _WeightAccess:
+    """The one guard of the rule: one owner thread, no overlapping entries."""
+
+    def __init__(self) -> None:
+        self._owner: int | None = None
+        self._busy = False
+
+    @contextlib.contextmanager
+    def enter(self, what: str) -> Iterator[None]:
+        me = threading.get_ident()
+        if self._owner is None:
+            self._owner = me  # the first RPC names vLLM's worker RPC thread
+        if me != self._owner:
+            raise WeightAccessError(f"{what}: weights touched from thread {threading.current_thread().name}, "
+                                    "not the worker's RPC thread")
+        if self._busy:
+            raise WeightAccessError(f"{what}: overlaps another access to the weights")
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+
+
+def weight_access(worker: Any, what: str) -> contextlib.AbstractContextManager[None]:
+    """Enter the worker's weight guard (see the module docstring)."""
+    access = getattr(worker, "_enginectl_weight_access", None)
+    if access is None:
+        access = worker._enginectl_weight_access = _WeightAccess()
+    return access.enter(what)
+
+
+class _FullDigest:
+    """The full digest of one set of weights, taken a slice at a time.
+
+    Byte-for-byte the same as hashing every tensor at once: CRC32 runs on across slices."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._tensors = _hashable_tensors(model)
+        self._digest = hashlib.blake2b(digest_size=16)
+        self._index = 0
+        self._offset = 0
+        self._crc = 0
+        self.result: str | None = None
+
+    def advance(self, budget_bytes: int, budget_seconds: float) -> bool:
+        """Hash up to `budget_bytes` (or `budget_seconds`) more; True once complete."""
+        if self.result is not None:
+            return True
+        stop_at = time.monotonic() + budget_seconds
+        budget = budget_bytes
+        while self._index < len(self._tensors):
+            name, tensor = self._tensors[self._index]
+            data = _bytes(tensor)
+            if self._offset == 0:
+                self._digest.update(_header(name, tensor))
+            end = min(len(data), self._offset + max(budget, 0))
+            self._crc = zlib.crc32(data[self._offset:end], self._crc)
+            budget -= end - self._offset
+            self._offset = end
+            if self._offset < len(data):
+                return False  # this slice's budget is spent inside the tensor
+            self._digest.update(self._crc.to_bytes(4, "little"))
+            self._index, self._offset, self._crc = self._index + 1, 0, 0
+            if budget <= 0 or time.monotonic() >= stop_at:
+                return self._index >= len(self._tensors) and self._finish()
+        return self._finish()
+
+    def _finish(self) -> bool:
+        _probe(self._model, self._digest)
+        self.result = self._digest.hexdigest()
+        return True
+
+
+@dataclass
+class _Baseline:
+    """The full digest recorded for the declaration `token` (done, or being taken)."""
+
+    token: str
+    epoch: int
+    sampled: str
+    job: _FullDigest
+
+
+@dataclass
+class _FingerprintState:
+    epoch: int = 0  # +1 whenever enginectl starts writing weights
+    baseline: _Baseline | None = None
+    verify: dict[str, _FullDigest] = field(default_factory=dict)
+
+
+class FingerprintMixin:
+    """Worker RPCs that fingerprint the weights (mixed into EnginectlWorkerExtension)."""
+
+    def _enginectl_fingerprints(self) -> _FingerprintState:
+        state = getattr(self, "_enginectl_fingerprint_state", None)
+        if state is None:
+            state = self._enginectl_fingerprint_state = _FingerprintState()
+        return state
+
+    def _enginectl_worker_ids(self) -> dict[str, int]:
+        parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        dp_rank = int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank) or 0)
+        return {"dp_rank": dp_rank, "worker_rank": int(self.rank)}  # type: ignore[attr-defined]
+
+    def enginectl_weights_changing(self) -> None:
+        """Called (under the guard) when enginectl starts writing weights: baselines of the old
+        weights no longer describe what is loaded."""
+        state = self._enginectl_fingerprints()
+        state.epoch += 1
+        state.verify.clear()
+
+    def enginectl_fingerprint(self) -> dict[str, Any]:
+        """The sampled digest of the weights in memory now (milliseconds). Full digests are
+        taken in slices (`enginectl_full_digest`). Names both methods."""
+        with weight_access(self, "fingerprint"):
+            digest, probes = _sampled_digest(self.model_runner.get_model())  # type: ignore[attr-defined]
+        return self._enginectl_digest_answer(digest, probes, False)
+
+    def enginectl_declare_fingerprint(self, token: str) -> dict[str, Any]:
+        """At a declaration: the sampled digest now (milliseconds), and a full digest recorded
+        under `token` for VerifyWeights(full). The full one is taken in slices afterwards
+        (`enginectl_full_digest`), unless the weights are the ones the last complete baseline
+        hashed (no enginectl write since and the same sampled digest): then it is reused."""
+        with weight_access(self, "declare fingerprint"):
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            digest, probes = _sampled_digest(model)
+            state = self._enginectl_fingerprints()
+            last = state.baseline
+            if last is not None and last.job.result is not None and last.epoch == state.epoch \
+                    and last.sampled == digest:
+                state.baseline = _Baseline(token, state.epoch, digest, last.job)
+            else:
+                state.baseline = _Baseline(token, state.epoch, digest, _FullDigest(model))
+        return self._enginectl_digest_answer(digest, probes, False)
+
+    def enginectl_full_digest(self, job: str, token: str, budget_bytes: int = SLICE_BYTES) -> dict[str, Any]:
+        """One slice of a full digest. `job` "baseline": the digest of the declaration `token`
+        ("superseded" once another declaration replaced it, or the weights changed); "verify":
+        the weights now, a job named by `token` started on its first slice. Returns
+        {"done", "digest" (when done), "superseded", "method", dp_rank, worker_rank}."""
+        with weight_access(self, "full digest"):
+            state = self._enginectl_fingerprints()
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            answer = dict(self._enginectl_worker_ids(), done=True, digest="", superseded=False,
+                          method=_methods(_count_probes(model))[1])
+            if job == "baseline":
+                baseline = state.baseline
+                if baseline is None or baseline.token != token or baseline.epoch != state.epoch:
+                    answer["superseded"] = True
+                    return answer
+                digest_job = baseline.job
+            elif job == "verify":
+                digest_job = state.verify.setdefault(token, _FullDigest(model))
+                while len(state.verify) > 4:  # abandoned jobs (a caller that went away)
+                    state.verify.pop(next(iter(state.verify)))
+            else:
+                raise ValueError(f"unknown full-digest job {job!r}")
+            if not digest_job.advance(int(budget_bytes), SLICE_SECONDS):
+                answer["done"] = False
+                return answer
+            if job == "verify":
+                state.verify.pop(token, None)
+            answer["digest"] = str(digest_job.result)
+            return answer
+
+    def _enginectl_digest_answer(self, digest: str, probes: int, full: bool) -> dict[str, Any]:
+        sampled_method, full_method = _methods(probes)
+        return dict(self._enginectl_worker_ids(), digest=digest,
+                    method=full_method if full else sampled_method,
+                    sampled_method=sampled_method, full_method=full_method)
+
+
+def _methods(probes: int) -> tuple[str, str]:
+    suffix = "+gemv-probe" if probes else ""
+    return f"sampled{SAMPLE_ELEMENTS}-blake2b{suffix}", f"full-crc32{suffix}"
+
+
+def _hashable_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(name, tensor) for name, tensor in sorted(model.state_dict(keep_vars=False).items())
+            if tensor.numel() > 0 and not tensor.is_meta]
+
+
+def _header(name: str, tensor: torch.Tensor) -> bytes:
+    return f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode()
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def _sampled_digest(model: Any) -> tuple[str, int]:
+    """Every parameter at SAMPLE_ELEMENTS evenly spaced elements, plus the probes."""
+    digest = hashlib.blake2b(digest_size=16)
+    with torch.inference_mode():
+        for name, tensor in _hashable_tensors(model):
+            digest.update(_header(name, tensor))
+            flat = tensor.detach().reshape(-1)
+            if flat.numel() > SAMPLE_ELEMENTS:
+                flat = flat[torch.linspace(0, flat.numel() - 1, SAMPLE_ELEMENTS).long()]
+            digest.update(flat.contiguous().view(torch.uint8).numpy().tobytes())
+    probes = _probe(model, digest)
+    return digest.hexdigest(), probes
+
+
+def _packed_linears(model: Any) -> Iterator[tuple[str, Any, Any, int]]:
+    """Linear layers whose weight vLLM's CPU build moved into an opaque kernel (the weight
+    tensor is left empty): (name, kernel, weight, in_features)."""
+    for name, module in sorted(model.named_modules()):
+        linear = getattr(module, "cpu_linear", None)
+        weight = getattr(module, "weight", None)
+        if linear is None or weight is None or weight.numel() > 0:
+            continue  # no kernel, or the weight itself is hashed
+        in_features = int(getattr(module, "input_size_per_partition", 0) or getattr(module, "input_size", 0))
+        if in_features > 0:
+            yield name, linear, weight, in_features
+
+
+def _count_probes(model: Any) -> int:
+    return sum(1 for _ in _packed_linears(model))
+
+
+def _probe(model: Any, digest: Any) -> int:
+    """Fold each packed layer's output for a fixed input (seeded by its name) into `digest`:
+    the kernel's weights are not readable, its behaviour is. Returns the number of probes."""
+    probes = 0
+    with torch.inference_mode():
+        for name, linear, weight, in_features in _packed_linears(model):
+            generator = torch.Generator().manual_seed(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
+            probe = torch.randn(1, in_features, generator=generator).to(weight.dtype)
+            digest.update(name.encode())
+            digest.update(linear(probe, weight, None).float().contiguous().view(torch.uint8).numpy().tobytes())
+            probes += 1
+    return probes
