@@ -92,8 +92,8 @@ def _set_request(version: str, etag: str | None, request_id: str | None) -> wv_p
     )
 
 
-def _watch_request(since_revision: int | None) -> wv_pb2.WatchWeightVersionRequest:
-    request = wv_pb2.WatchWeightVersionRequest()
+def _watch_request(since_revision: int | None, incarnation: str | None) -> wv_pb2.WatchWeightVersionRequest:
+    request = wv_pb2.WatchWeightVersionRequest(incarnation=incarnation or "")
     if since_revision is not None:
         request.since_revision = since_revision
     return request
@@ -141,7 +141,8 @@ class AsyncClient:
     ) -> WeightVersion:
         """Declare `version` for the weights in memory (declare-only; nothing is paused).
 
-        With `etag`, applies only if it is still current (else AbortedError ETAG_MISMATCH).
+        With `etag`, applies only if it is still current (else AbortedError ETAG_MISMATCH,
+        whose `current_etag` is the etag to retry with once the caller has decided to).
         A `request_id` (a UUID; one is generated when omitted) makes retries idempotent.
         """
         response = await self._unary(
@@ -150,11 +151,17 @@ class AsyncClient:
         return WeightVersion.from_proto(response.weight_version)
 
     async def watch_weight_version(
-        self, *, since_revision: int | None = None
+        self, *, since_revision: int | None = None, incarnation: str | None = None
     ) -> AsyncIterator[WeightVersion]:
-        """Yield the current state (or every state after `since_revision`), then each change."""
+        """Yield the current state (or every state after `since_revision`), then each change.
+
+        Pass the `incarnation` that `since_revision` was read under (the WeightVersion's):
+        if the server restarted since, the watch fails with OutOfRangeError
+        INCARNATION_CHANGED instead of resuming from an unrelated revision; watch again
+        without `since_revision` then.
+        """
         call = self._versions.WatchWeightVersion(
-            _watch_request(since_revision), metadata=self.config.metadata()
+            _watch_request(since_revision, incarnation), metadata=self.config.metadata()
         )
         try:
             async for response in call:
@@ -207,10 +214,12 @@ class Client:
         )
         return WeightVersion.from_proto(response.weight_version)
 
-    def watch_weight_version(self, *, since_revision: int | None = None) -> Iterator[WeightVersion]:
+    def watch_weight_version(
+        self, *, since_revision: int | None = None, incarnation: str | None = None
+    ) -> Iterator[WeightVersion]:
         """See AsyncClient.watch_weight_version. Close the iterator to end the stream."""
         call = self._versions.WatchWeightVersion(
-            _watch_request(since_revision), metadata=self.config.metadata()
+            _watch_request(since_revision, incarnation), metadata=self.config.metadata()
         )
         try:
             for response in call:

@@ -22,6 +22,7 @@ class Reason:
     # WeightVersionService
     VERSION_REQUIRED = "VERSION_REQUIRED"
     VERSION_TOO_LONG = "VERSION_TOO_LONG"
+    VERSION_INVALID = "VERSION_INVALID"  # a control character (as WORKER_ID_INVALID)
     ETAG_MISMATCH = "ETAG_MISMATCH"
     REQUEST_ID_INVALID = "REQUEST_ID_INVALID"
     REQUEST_ID_REUSED = "REQUEST_ID_REUSED"
@@ -60,6 +61,7 @@ class Reason:
     PAGE_TOKEN_INVALID = "PAGE_TOKEN_INVALID"
     PATH_NOT_ALLOWED = "PATH_NOT_ALLOWED"
     UNSUPPORTED_FORMAT = "UNSUPPORTED_FORMAT"
+    NOT_A_REGULAR_FILE = "NOT_A_REGULAR_FILE"  # a FIFO, socket or device where a file must be
     TENSOR_MISMATCH = "TENSOR_MISMATCH"
     GROUP_NOT_FOUND = "GROUP_NOT_FOUND"
     GROUP_TIMEOUT = "GROUP_TIMEOUT"
@@ -76,7 +78,7 @@ class Reason:
     MAX_BATCH_SIZE_TOO_LARGE = "MAX_BATCH_SIZE_TOO_LARGE"
     SEQUENCE_EVICTED = "SEQUENCE_EVICTED"
     SEQUENCE_IN_FUTURE = "SEQUENCE_IN_FUTURE"
-    INCARNATION_CHANGED = "INCARNATION_CHANGED"
+    INCARNATION_CHANGED = "INCARNATION_CHANGED"  # also WatchWeightVersion
     # Any RPC
     MALFORMED_REQUEST = "MALFORMED_REQUEST"
     ENGINE_DEAD = "ENGINE_DEAD"
@@ -114,6 +116,12 @@ class InvalidArgumentError(EnginectlError):
 
 class AbortedError(EnginectlError):
     """ABORTED: a concurrency conflict (stale etag, update in progress); re-read and retry."""
+
+    @property
+    def current_etag(self) -> str | None:
+        """ETAG_MISMATCH: the resource's etag when the write was refused (None otherwise), so
+        a compare-and-set can be retried without reading again."""
+        return self.metadata.get("current_etag")
 
 
 class NotFoundError(EnginectlError):

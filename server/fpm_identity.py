@@ -10,7 +10,6 @@ each rank called on its own (EngineAdapter.call_each) so a rank that fails or ha
 from __future__ import annotations
 
 import asyncio
-import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,14 +18,18 @@ import grpc
 
 from enginectl.fpm.v1 import fpm_identity_service_pb2 as pb2
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
-from enginectl.worker.fpm_identity import GET_IDENTITY_UTILITY, MAX_WORKER_ID_BYTES, SET_IDENTITY_UTILITY
+from enginectl.server.limits import (
+    DEFAULT_GET_IDENTITY_TIMEOUT_S as DEFAULT_GET_TIMEOUT_S,
+    DEFAULT_SET_IDENTITY_TIMEOUT_S as DEFAULT_SET_TIMEOUT_S,
+    MAX_IDENTITY_TIMEOUT_S as MAX_TIMEOUT_S,
+    MAX_WORKER_ID_BYTES,
+    LabelProblem,
+    label_problem,
+)
+from enginectl.worker.fpm_identity import GET_IDENTITY_UTILITY, SET_IDENTITY_UTILITY
 
 if TYPE_CHECKING:
     from enginectl.server.engine import RankOutcome
-
-DEFAULT_SET_TIMEOUT_S = 10.0
-DEFAULT_GET_TIMEOUT_S = 5.0
-MAX_TIMEOUT_S = 300.0
 
 
 class RankCaller(Protocol):
@@ -67,12 +70,14 @@ class IdentityReport:
 
 def check_worker_id(worker_id: str) -> None:
     """INVALID_ARGUMENT unless `worker_id` is 1 to 256 bytes of UTF-8 without control
-    characters (it ends up in logs, metric labels and planner keys)."""
-    if not worker_id:
+    characters (it ends up in logs, metric labels and planner keys): the label rule of
+    server/limits.py, shared with versions."""
+    problem = label_problem(worker_id, MAX_WORKER_ID_BYTES)
+    if problem is LabelProblem.EMPTY:
         raise invalid_field(Reason.WORKER_ID_REQUIRED, "worker_id", "required, a non-empty string")
-    if len(worker_id.encode()) > MAX_WORKER_ID_BYTES:
+    if problem is LabelProblem.TOO_LONG:
         raise invalid_field(Reason.WORKER_ID_TOO_LONG, "worker_id", f"at most {MAX_WORKER_ID_BYTES} bytes of UTF-8")
-    if any(unicodedata.category(ch) == "Cc" for ch in worker_id):
+    if problem is LabelProblem.CONTROL_CHARACTER:
         raise invalid_field(Reason.WORKER_ID_INVALID, "worker_id", "must not contain control characters")
 
 

@@ -5,7 +5,8 @@ vLLM; the engine is reached only through the `publish` callback given at constru
 
 Rules (DESIGN §4):
 - Nothing is declared at start: `declared=False`, no version, revision 0. Any non-empty
-  UTF-8 string of at most 256 bytes is a version, "initial" and "default" included.
+  UTF-8 string of at most 256 bytes without control characters is a version, "initial"
+  and "default" included.
 - Every write is serialised by one lock, in arrival order; a weight update holds the same
   lock while it loads, so a declaration that arrives meanwhile applies after it.
 - A stale etag is refused (ABORTED, ETAG_MISMATCH); a retried request_id returns the first
@@ -28,8 +29,7 @@ import grpc
 
 from enginectl.client.types import WeightSource
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
-
-MAX_VERSION_BYTES = 256
+from enginectl.server.limits import MAX_REQUEST_ID_BYTES, MAX_VERSION_BYTES, LabelProblem, label_problem
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,13 @@ class VersionState:
 
 
 class LedgerClosed(Exception):
-    """The ledger was closed (server shutting down); watchers must end."""
+    """The ledger was closed; watchers must end. `reason` (an ErrorInfo reason) says why:
+    SHUTTING_DOWN, or ENGINE_DEAD when the engine died (the weights it described are gone)."""
+
+    def __init__(self, reason: str = Reason.SHUTTING_DOWN, message: str = "server is shutting down") -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
 
 
 # Publishes a declared version to the engine (vLLM's update_weight_version on every rank).
@@ -116,6 +122,7 @@ class WeightVersionLedger:
         self._request_id_limit = request_id_limit
         self._changed = asyncio.Event()
         self._closed = False
+        self._close_cause = (Reason.SHUTTING_DOWN, "server is shutting down")
 
     @property
     def state(self) -> VersionState:
@@ -153,6 +160,14 @@ class WeightVersionLedger:
                         )
                     return previous[1]
             self.check_etag(etag)
+            if self._state.last_failure is not None:
+                failure = self._state.last_failure
+                raise ControlPlaneError(
+                    grpc.StatusCode.FAILED_PRECONDITION, Reason.PARTIAL_UPDATE,
+                    f"the last update ({failure.operation}) failed part-way ({failure.cause}): the weights may be "
+                    "mixed, so no version is declared over them; load weights again",
+                    metadata={"cause": failure.cause, "operation": failure.operation},
+                )
             fingerprint = await self._fingerprint() if self._fingerprint is not None else None
             if self._publish is not None:
                 await self._publish(version)
@@ -175,20 +190,27 @@ class WeightVersionLedger:
         declaration that arrives meanwhile applies after it (`async with ledger.writing():`)."""
         return self._write_lock
 
-    def check_write(self, *, version: str | None, etag: str, request_id: str) -> None:
-        """Validate an update's version fields before it starts (raises, changes nothing)."""
+    def check_write(
+        self, *, version: str | None, etag: str, request_id: str, version_field: str = "weight_version"
+    ) -> None:
+        """Validate an update's version fields before it starts (raises, changes nothing).
+        `version_field` names the version in the BadRequest violation."""
         if version is not None:
-            _validate_version(version)
+            _validate_version(version, version_field)
         _validate_request_id(request_id)
         self.check_etag(etag)
 
     def check_etag(self, etag: str) -> None:
+        """ABORTED ETAG_MISMATCH unless `etag` is empty or current. The error carries the
+        current etag, revision and incarnation, so the writer can decide and retry without
+        another read."""
         if etag and etag != self._state.etag:
             raise ControlPlaneError(
                 grpc.StatusCode.ABORTED,
                 Reason.ETAG_MISMATCH,
                 "etag is not current (stale, or from another incarnation); re-read and retry",
                 metadata={
+                    "current_etag": self._state.etag,
                     "current_revision": str(self._state.revision),
                     "incarnation": self._incarnation,
                 },
@@ -228,27 +250,39 @@ class WeightVersionLedger:
     def _etag(self, change: int) -> str:
         return hashlib.sha256(f"{self._incarnation}/{change}".encode()).hexdigest()[:20]
 
-    async def watch(self, since_revision: int | None = None) -> AsyncIterator[VersionState]:
+    async def watch(self, since_revision: int | None = None, incarnation: str = "") -> AsyncIterator[VersionState]:
         """Yield the current state (or every state after `since_revision`), then each change.
 
-        Raises ControlPlaneError OUT_OF_RANGE when `since_revision` is older than the history
-        kept or ahead of the current revision, and LedgerClosed when the ledger closes.
+        `incarnation`: the one `since_revision` was read under; when given (with a
+        `since_revision`) and not this ledger's, the watch fails with INCARNATION_CHANGED
+        instead of resuming from an unrelated revision (revisions count afresh per start).
+        Raises ControlPlaneError OUT_OF_RANGE for that, or when `since_revision` is older than
+        the history kept or ahead of the current revision, and LedgerClosed when the ledger
+        closes.
         """
         if since_revision is None:
             last_change = self._state.change - 1
         else:
+            if incarnation and incarnation != self._incarnation:
+                raise ControlPlaneError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    Reason.INCARNATION_CHANGED,
+                    f"incarnation {incarnation!r} is not this server's ({self._incarnation!r}): "
+                    "it restarted and revisions count afresh; watch again without since_revision",
+                    metadata={"incarnation": self._incarnation, "current_revision": str(self._state.revision)},
+                )
             last_change = self._resume_point(since_revision)
         while True:
             changed = self._changed
             if self._closed:
-                raise LedgerClosed()
+                raise LedgerClosed(*self._close_cause)
             pending = [s for s in self._history if s.change > last_change]
             if pending and pending[0].change != last_change + 1:
                 raise ControlPlaneError(
                     grpc.StatusCode.OUT_OF_RANGE,
                     Reason.REVISION_COMPACTED,
                     "this watcher fell behind the history kept; re-read the current state",
-                    metadata={"oldest_revision": str(self._history[0].revision)},
+                    metadata={"oldest_revision": str(self._history[0].revision), "incarnation": self._incarnation},
                 )
             for state in pending:
                 yield state
@@ -275,33 +309,44 @@ class WeightVersionLedger:
                 grpc.StatusCode.OUT_OF_RANGE,
                 Reason.REVISION_COMPACTED,
                 f"revision {since_revision} is older than the history kept",
-                metadata={"oldest_revision": str(oldest.revision)},
+                metadata={"oldest_revision": str(oldest.revision), "incarnation": self._incarnation},
             )
         # Replay every state recorded after the last one at `since_revision`.
         return max((s.change for s in self._history if s.revision <= since_revision), default=oldest.change)
 
-    def close(self) -> None:
-        """End every watcher with LedgerClosed (server shutdown)."""
+    def close(self, reason: str = Reason.SHUTTING_DOWN, message: str = "server is shutting down") -> None:
+        """End every watcher with LedgerClosed(reason, message); the first close's reason stays."""
+        if not self._closed:
+            self._close_cause = (reason, message)
         self._closed = True
         self._changed.set()
 
 
-def _validate_version(version: str) -> None:
-    if not version:
-        raise invalid_field(Reason.VERSION_REQUIRED, "version", "required, a non-empty string")
-    size = len(version.encode("utf-8"))
-    if size > MAX_VERSION_BYTES:
+def _validate_version(version: str, field: str = "version") -> None:
+    """The label rule of server/limits.py (as for worker ids): 1..256 bytes of UTF-8 without
+    control characters, since a version goes into logs, metric labels and gRPC metadata."""
+    problem = label_problem(version, MAX_VERSION_BYTES)
+    if problem is None:
+        return
+    if problem is LabelProblem.EMPTY:
+        raise invalid_field(Reason.VERSION_REQUIRED, field, "required, a non-empty string")
+    if problem is LabelProblem.TOO_LONG:
         raise invalid_field(
             Reason.VERSION_TOO_LONG,
-            "version",
-            f"{size} bytes of UTF-8; at most {MAX_VERSION_BYTES} allowed",
+            field,
+            f"{len(version.encode('utf-8'))} bytes of UTF-8; at most {MAX_VERSION_BYTES} allowed",
         )
+    raise invalid_field(
+        Reason.VERSION_INVALID, field, "must not contain control characters (U+0000-U+001F, U+007F-U+009F)"
+    )
 
 
 def _validate_request_id(request_id: str) -> None:
     if not request_id:
         return
     try:
+        if len(request_id) > MAX_REQUEST_ID_BYTES:
+            raise ValueError(request_id)
         uuid.UUID(request_id)
     except ValueError:
         raise invalid_field(

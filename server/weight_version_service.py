@@ -91,12 +91,10 @@ class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
     ) -> AsyncIterator[pb2.WatchWeightVersionResponse]:
         since = request.since_revision if request.HasField("since_revision") else None
         try:
-            async for state in self._ledger.watch(since):
+            async for state in self._ledger.watch(since, request.incarnation):
                 yield pb2.WatchWeightVersionResponse(weight_version=weight_version_proto(state))
-        except LedgerClosed:
-            raise ControlPlaneError(
-                grpc.StatusCode.UNAVAILABLE, Reason.SHUTTING_DOWN, "server is shutting down"
-            ) from None
+        except LedgerClosed as closed:  # SHUTTING_DOWN, or ENGINE_DEAD
+            raise ControlPlaneError(grpc.StatusCode.UNAVAILABLE, closed.reason, closed.message) from None
 
     async def VerifyWeights(
         self, request: pb2.VerifyWeightsRequest, context: grpc.aio.ServicerContext

@@ -10,7 +10,7 @@ import pytest
 
 from enginectl.client.errors import Reason
 from enginectl.server.errors import ControlPlaneError
-from enginectl.server.ledger import LedgerClosed, WeightSource, WeightVersionLedger
+from enginectl.server.ledger import Failure, LedgerClosed, WeightSource, WeightVersionLedger
 
 
 async def test_never_declared_then_placeholder_names_are_ordinary_versions() -> None:
@@ -201,6 +201,22 @@ async def test_update_records_through_the_write_lock_and_a_failure_leaves_no_lab
     assert published == ["step-1"]
     with pytest.raises(AssertionError):
         ledger.record_failure(failure)  # only under the write lock
+
+
+async def test_no_declaration_over_mixed_weights_until_an_update_succeeds() -> None:
+    ledger = WeightVersionLedger()
+    failure = Failure(reason=Reason.PARTIAL_UPDATE, cause="STREAM_BROKEN", message="trainer died", time=1.0,
+                      attempted_version="step-2", operation="operations/x")
+    async with ledger.writing():
+        failed = ledger.record_failure(failure)
+    with pytest.raises(ControlPlaneError) as err:
+        await ledger.declare("over-mixed-weights")
+    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == Reason.PARTIAL_UPDATE
+    assert err.value.metadata["operation"] == "operations/x"
+    assert ledger.state == failed
+    async with ledger.writing():
+        await ledger.record_update(None, WeightSource.DISK, None)
+    assert (await ledger.declare("after-repair")).declared
 
 
 async def test_declaration_waits_for_an_update_holding_the_lock() -> None:

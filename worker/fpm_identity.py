@@ -11,7 +11,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-MAX_WORKER_ID_BYTES = 256
+# The server's bounds table (pure Python, no gRPC): one rule on both sides.
+from enginectl.server.limits import MAX_WORKER_ID_BYTES, label_problem
+
 # Names of the EngineCore utilities (fpm_engine_core.py) the server calls on every rank.
 SET_IDENTITY_UTILITY = "enginectl_set_worker_identity"
 GET_IDENTITY_UTILITY = "enginectl_get_worker_identity"
@@ -31,11 +33,14 @@ class IdentityError(ValueError):
 
 
 def check_worker_id(worker_id: str) -> None:
-    """Raise IdentityError unless `worker_id` is 1 to MAX_WORKER_ID_BYTES bytes of UTF-8."""
-    if not isinstance(worker_id, str) or not worker_id:
+    """Raise IdentityError unless `worker_id` is 1 to MAX_WORKER_ID_BYTES bytes of UTF-8
+    without control characters (the label rule of server/limits.py)."""
+    if not isinstance(worker_id, str):
         raise IdentityError("worker_id must be a non-empty string")
-    if len(worker_id.encode()) > MAX_WORKER_ID_BYTES:
-        raise IdentityError(f"worker_id is over {MAX_WORKER_ID_BYTES} bytes")
+    problem = label_problem(worker_id, MAX_WORKER_ID_BYTES)
+    if problem is not None:
+        raise IdentityError(f"worker_id is not 1 to {MAX_WORKER_ID_BYTES} bytes without control "
+                            f"characters ({problem.value})")
 
 
 class WorkerIdentity:

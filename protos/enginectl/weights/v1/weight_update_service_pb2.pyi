@@ -11,8 +11,12 @@ Every RPC may also fail with:
                                     (GetServerInfo.auth_required) and the call carried no
                                     valid `authorization: Bearer <token>`. Only
                                     GetGenerationState and GetServerInfo are open.
-  UNAVAILABLE      ENGINE_DEAD      the vLLM engine (or one of its ranks) has died.
-  UNAVAILABLE      SHUTTING_DOWN    the server is shutting down.
+  UNAVAILABLE      ENGINE_DEAD      the vLLM engine (or one of its ranks) has died: every
+                                    RPC answers this from then on, health is NOT_SERVING
+                                    and the process exits non-zero within 30 s.
+  UNAVAILABLE      SHUTTING_DOWN    the server is shutting down (a call waiting on an
+                                    update, WaitOperation or UpdateWeightsFromTensors,
+                                    ends with it).
 
 Weight updates (UpdateWeightsFromDisk, UpdateWeightsFromDistributed,
 UpdateWeightsFromTensors) share these rules:
@@ -666,10 +670,10 @@ class UpdateWeightsFromDiskRequest(_message.Message):
     `*.safetensors.index.json` file. At most 4096 bytes. See the RPC for its errors.
     """
     weight_version: _builtins.str
-    """The version to declare on success: any non-empty UTF-8 string of at most 256 bytes.
-    Unset: the version becomes undeclared on success (the weights changed, so the old label
-    no longer holds). Set but empty: INVALID_ARGUMENT VERSION_REQUIRED; too long:
-    INVALID_ARGUMENT VERSION_TOO_LONG.
+    """The version to declare on success: any non-empty UTF-8 string of at most 256 bytes
+    without control characters. Unset: the version becomes undeclared on success (the
+    weights changed, so the old label no longer holds). Set but empty: INVALID_ARGUMENT
+    VERSION_REQUIRED; too long: VERSION_TOO_LONG; a control character: VERSION_INVALID.
     """
     etag: _builtins.str
     """Optional compare-and-set on the WeightVersion resource: run only if this is its current
@@ -760,9 +764,10 @@ class InitWeightsUpdateGroupRequest(_message.Message):
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
         """Bound on the rendezvous: every member must join within it, else DEADLINE_EXCEEDED
-        GROUP_TIMEOUT. Unset: ServerLimits.default_timeout. Must be in
-        (0, ServerLimits.max_timeout], else INVALID_ARGUMENT TIMEOUT_INVALID. Receives through
-        the group are bounded by each update's own `timeout`.
+        GROUP_TIMEOUT. The engine answers no other engine call while its workers wait for the
+        members, so the bound is short: unset means 60 s; must be in (0, 600 s], else
+        INVALID_ARGUMENT TIMEOUT_INVALID. Receives through the group are bounded by each
+        update's own `timeout`.
         """
 
     def __init__(

@@ -152,12 +152,16 @@ class WeightUpdateServiceServicer:
         INVALID_ARGUMENT  UNSUPPORTED_FORMAT   not safetensors (pickle `.bin`/`.pt`, GGUF, ...),
         a malformed header, or no tensor at all. Pickle
         is never opened.
+        INVALID_ARGUMENT  NOT_A_REGULAR_FILE   `path` or a file it leads to is a FIFO, socket
+        or device, refused without opening it (reading
+        one could block or never end);
+        ErrorInfo.metadata["file_type"] says which.
         INVALID_ARGUMENT  TENSOR_MISMATCH      a tensor the model can not take: unknown name,
         wrong shape, or a dtype it can not load.
         BadRequest lists them (at most 100).
         INVALID_ARGUMENT  TOO_MANY_TENSORS     over ServerLimits.max_tensors_per_update.
         and the common update errors (see UpdateWeightsFromDiskRequest fields):
-        INVALID_ARGUMENT  VERSION_REQUIRED, VERSION_TOO_LONG, REQUEST_ID_INVALID,
+        INVALID_ARGUMENT  VERSION_REQUIRED, VERSION_TOO_LONG, VERSION_INVALID, REQUEST_ID_INVALID,
         REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID
         ABORTED           ETAG_MISMATCH, UPDATE_IN_PROGRESS
         Errors of the Operation (see rule 6 for what they leave behind):
@@ -233,9 +237,9 @@ class WeightUpdateServiceServicer:
         dtype the model or the group's backend can not
         take. BadRequest lists them (at most 100).
         INVALID_ARGUMENT  TOO_MANY_TENSORS     over ServerLimits.max_tensors_per_update.
-        and the common update errors (VERSION_REQUIRED, VERSION_TOO_LONG, REQUEST_ID_INVALID,
-        REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID, ETAG_MISMATCH,
-        UPDATE_IN_PROGRESS), as for UpdateWeightsFromDisk.
+        and the common update errors (VERSION_REQUIRED, VERSION_TOO_LONG, VERSION_INVALID,
+        REQUEST_ID_INVALID, REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID,
+        ETAG_MISMATCH, UPDATE_IN_PROGRESS), as for UpdateWeightsFromDisk.
         Errors of the Operation (see rule 6 for what they leave behind):
         DEADLINE_EXCEEDED GROUP_TIMEOUT        the broadcast did not complete within `timeout`
         (e.g. the trainer died). A timed-out collective

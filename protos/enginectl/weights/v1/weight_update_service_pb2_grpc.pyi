@@ -11,8 +11,12 @@ Every RPC may also fail with:
                                     (GetServerInfo.auth_required) and the call carried no
                                     valid `authorization: Bearer <token>`. Only
                                     GetGenerationState and GetServerInfo are open.
-  UNAVAILABLE      ENGINE_DEAD      the vLLM engine (or one of its ranks) has died.
-  UNAVAILABLE      SHUTTING_DOWN    the server is shutting down.
+  UNAVAILABLE      ENGINE_DEAD      the vLLM engine (or one of its ranks) has died: every
+                                    RPC answers this from then on, health is NOT_SERVING
+                                    and the process exits non-zero within 30 s.
+  UNAVAILABLE      SHUTTING_DOWN    the server is shutting down (a call waiting on an
+                                    update, WaitOperation or UpdateWeightsFromTensors,
+                                    ends with it).
 
 Weight updates (UpdateWeightsFromDisk, UpdateWeightsFromDistributed,
 UpdateWeightsFromTensors) share these rules:
@@ -141,12 +145,16 @@ class WeightUpdateServiceStub:
       INVALID_ARGUMENT  UNSUPPORTED_FORMAT   not safetensors (pickle `.bin`/`.pt`, GGUF, ...),
                                              a malformed header, or no tensor at all. Pickle
                                              is never opened.
+      INVALID_ARGUMENT  NOT_A_REGULAR_FILE   `path` or a file it leads to is a FIFO, socket
+                                             or device, refused without opening it (reading
+                                             one could block or never end);
+                                             ErrorInfo.metadata["file_type"] says which.
       INVALID_ARGUMENT  TENSOR_MISMATCH      a tensor the model can not take: unknown name,
                                              wrong shape, or a dtype it can not load.
                                              BadRequest lists them (at most 100).
       INVALID_ARGUMENT  TOO_MANY_TENSORS     over ServerLimits.max_tensors_per_update.
       and the common update errors (see UpdateWeightsFromDiskRequest fields):
-      INVALID_ARGUMENT  VERSION_REQUIRED, VERSION_TOO_LONG, REQUEST_ID_INVALID,
+      INVALID_ARGUMENT  VERSION_REQUIRED, VERSION_TOO_LONG, VERSION_INVALID, REQUEST_ID_INVALID,
                         REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID
       ABORTED           ETAG_MISMATCH, UPDATE_IN_PROGRESS
     Errors of the Operation (see rule 6 for what they leave behind):
@@ -210,9 +218,9 @@ class WeightUpdateServiceStub:
                                              dtype the model or the group's backend can not
                                              take. BadRequest lists them (at most 100).
       INVALID_ARGUMENT  TOO_MANY_TENSORS     over ServerLimits.max_tensors_per_update.
-      and the common update errors (VERSION_REQUIRED, VERSION_TOO_LONG, REQUEST_ID_INVALID,
-      REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID, ETAG_MISMATCH,
-      UPDATE_IN_PROGRESS), as for UpdateWeightsFromDisk.
+      and the common update errors (VERSION_REQUIRED, VERSION_TOO_LONG, VERSION_INVALID,
+      REQUEST_ID_INVALID, REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID,
+      ETAG_MISMATCH, UPDATE_IN_PROGRESS), as for UpdateWeightsFromDisk.
     Errors of the Operation (see rule 6 for what they leave behind):
       DEADLINE_EXCEEDED GROUP_TIMEOUT        the broadcast did not complete within `timeout`
                                              (e.g. the trainer died). A timed-out collective
@@ -321,12 +329,16 @@ class WeightUpdateServiceAsyncStub(WeightUpdateServiceStub):
       INVALID_ARGUMENT  UNSUPPORTED_FORMAT   not safetensors (pickle `.bin`/`.pt`, GGUF, ...),
                                              a malformed header, or no tensor at all. Pickle
                                              is never opened.
+      INVALID_ARGUMENT  NOT_A_REGULAR_FILE   `path` or a file it leads to is a FIFO, socket
+                                             or device, refused without opening it (reading
+                                             one could block or never end);
+                                             ErrorInfo.metadata["file_type"] says which.
       INVALID_ARGUMENT  TENSOR_MISMATCH      a tensor the model can not take: unknown name,
                                              wrong shape, or a dtype it can not load.
                                              BadRequest lists them (at most 100).
       INVALID_ARGUMENT  TOO_MANY_TENSORS     over ServerLimits.max_tensors_per_update.
       and the common update errors (see UpdateWeightsFromDiskRequest fields):
-      INVALID_ARGUMENT  VERSION_REQUIRED, VERSION_TOO_LONG, REQUEST_ID_INVALID,
+      INVALID_ARGUMENT  VERSION_REQUIRED, VERSION_TOO_LONG, VERSION_INVALID, REQUEST_ID_INVALID,
                         REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID
       ABORTED           ETAG_MISMATCH, UPDATE_IN_PROGRESS
     Errors of the Operation (see rule 6 for what they leave behind):
@@ -390,9 +402,9 @@ class WeightUpdateServiceAsyncStub(WeightUpdateServiceStub):
                                              dtype the model or the group's backend can not
                                              take. BadRequest lists them (at most 100).
       INVALID_ARGUMENT  TOO_MANY_TENSORS     over ServerLimits.max_tensors_per_update.
-      and the common update errors (VERSION_REQUIRED, VERSION_TOO_LONG, REQUEST_ID_INVALID,
-      REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID, ETAG_MISMATCH,
-      UPDATE_IN_PROGRESS), as for UpdateWeightsFromDisk.
+      and the common update errors (VERSION_REQUIRED, VERSION_TOO_LONG, VERSION_INVALID,
+      REQUEST_ID_INVALID, REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID,
+      ETAG_MISMATCH, UPDATE_IN_PROGRESS), as for UpdateWeightsFromDisk.
     Errors of the Operation (see rule 6 for what they leave behind):
       DEADLINE_EXCEEDED GROUP_TIMEOUT        the broadcast did not complete within `timeout`
                                              (e.g. the trainer died). A timed-out collective
@@ -522,12 +534,16 @@ class WeightUpdateServiceServicer(metaclass=_abc_1.ABCMeta):
           INVALID_ARGUMENT  UNSUPPORTED_FORMAT   not safetensors (pickle `.bin`/`.pt`, GGUF, ...),
                                                  a malformed header, or no tensor at all. Pickle
                                                  is never opened.
+          INVALID_ARGUMENT  NOT_A_REGULAR_FILE   `path` or a file it leads to is a FIFO, socket
+                                                 or device, refused without opening it (reading
+                                                 one could block or never end);
+                                                 ErrorInfo.metadata["file_type"] says which.
           INVALID_ARGUMENT  TENSOR_MISMATCH      a tensor the model can not take: unknown name,
                                                  wrong shape, or a dtype it can not load.
                                                  BadRequest lists them (at most 100).
           INVALID_ARGUMENT  TOO_MANY_TENSORS     over ServerLimits.max_tensors_per_update.
           and the common update errors (see UpdateWeightsFromDiskRequest fields):
-          INVALID_ARGUMENT  VERSION_REQUIRED, VERSION_TOO_LONG, REQUEST_ID_INVALID,
+          INVALID_ARGUMENT  VERSION_REQUIRED, VERSION_TOO_LONG, VERSION_INVALID, REQUEST_ID_INVALID,
                             REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID
           ABORTED           ETAG_MISMATCH, UPDATE_IN_PROGRESS
         Errors of the Operation (see rule 6 for what they leave behind):
@@ -609,9 +625,9 @@ class WeightUpdateServiceServicer(metaclass=_abc_1.ABCMeta):
                                                  dtype the model or the group's backend can not
                                                  take. BadRequest lists them (at most 100).
           INVALID_ARGUMENT  TOO_MANY_TENSORS     over ServerLimits.max_tensors_per_update.
-          and the common update errors (VERSION_REQUIRED, VERSION_TOO_LONG, REQUEST_ID_INVALID,
-          REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID, ETAG_MISMATCH,
-          UPDATE_IN_PROGRESS), as for UpdateWeightsFromDisk.
+          and the common update errors (VERSION_REQUIRED, VERSION_TOO_LONG, VERSION_INVALID,
+          REQUEST_ID_INVALID, REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID,
+          ETAG_MISMATCH, UPDATE_IN_PROGRESS), as for UpdateWeightsFromDisk.
         Errors of the Operation (see rule 6 for what they leave behind):
           DEADLINE_EXCEEDED GROUP_TIMEOUT        the broadcast did not complete within `timeout`
                                                  (e.g. the trainer died). A timed-out collective

@@ -183,8 +183,9 @@ class WeightVersion(_message.Message):
     update failed part-way (see `last_failure`).
     """
     version: _builtins.str
-    """Set iff `declared`. Any non-empty UTF-8 string of at most 256 bytes, exactly as it was
-    declared; "initial", "default" and "0" are ordinary versions, never placeholders.
+    """Set iff `declared`. Any non-empty UTF-8 string of at most 256 bytes without control
+    characters, exactly as it was declared; "initial", "default" and "0" are ordinary
+    versions, never placeholders.
     """
     revision: _builtins.int
     """Number of successful declarations in this incarnation: 0 until the first, then +1 on

@@ -9,7 +9,13 @@ enginectl service:
   INVALID_ARGUMENT MALFORMED_REQUEST  the request bytes do not parse as the request message.
   UNAUTHENTICATED  UNAUTHENTICATED    a mutating RPC without the server's bearer token
                                       (`authorization: Bearer <token>`), when it has one.
-  UNAVAILABLE      ENGINE_DEAD        the vLLM engine behind this server has died.
+  UNAVAILABLE      ENGINE_DEAD        the vLLM engine behind this server has died. From
+                                      then on every RPC answers this (reads too: no
+                                      version is claimed for weights that are gone), open
+                                      streams end with it, health is NOT_SERVING, and the
+                                      process exits non-zero within 30 s.
+  UNAVAILABLE      SHUTTING_DOWN      the server is shutting down (open streams and calls
+                                      waiting on an Operation end with it).
   UNIMPLEMENTED    NOT_IMPLEMENTED    an RPC this release defines but does not serve yet
                                       (GetServerInfo.supported_rpcs lists those it does).
 """
@@ -110,8 +116,8 @@ class SetWeightVersionRequest(_message.Message):
     ETAG_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     version: _builtins.str
-    """Required. The version to declare: any non-empty UTF-8 string of at most 256 bytes.
-    "initial", "default" and "0" are ordinary versions.
+    """Required. The version to declare: any non-empty UTF-8 string of at most 256 bytes without
+    control characters. "initial", "default" and "0" are ordinary versions.
     """
     etag: _builtins.str
     """Optional compare-and-set: apply only if this is the resource's current etag. Empty means
@@ -168,19 +174,28 @@ class WatchWeightVersionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SINCE_REVISION_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     since_revision: _builtins.int
     """Optional. When set, the stream starts with every state recorded after this revision (in
     order), then goes live; when that is none, it starts live with the next change. When
     unset, it starts with the current state.
     """
+    incarnation: _builtins.str
+    """Optional, recommended with `since_revision`: the WeightVersion.incarnation that revision
+    was read under. When set and not the server's, the stream fails with OUT_OF_RANGE
+    INCARNATION_CHANGED instead of resuming from an unrelated revision of a restarted
+    server. Empty means not checked (a revision from before a restart is then refused only
+    when it is ahead of the current one). Ignored without `since_revision`.
+    """
     def __init__(
         self,
         *,
         since_revision: _builtins.int | None = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_since_revision", b"_since_revision", "since_revision", b"since_revision"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_since_revision", b"_since_revision", "since_revision", b"since_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_since_revision", b"_since_revision", "incarnation", b"incarnation", "since_revision", b"since_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__since_revision: _TypeAlias = _typing.Literal["since_revision"]  # noqa: Y015
     _WhichOneofArgType__since_revision: _TypeAlias = _typing.Literal["_since_revision", b"_since_revision"]  # noqa: Y015

@@ -80,10 +80,20 @@ class WeightVersionServiceServicer:
         Errors:
         INVALID_ARGUMENT VERSION_REQUIRED      `version` missing or empty.
         INVALID_ARGUMENT VERSION_TOO_LONG      `version` over 256 bytes of UTF-8.
-        INVALID_ARGUMENT REQUEST_ID_INVALID    `request_id` is not a UUID.
+        INVALID_ARGUMENT VERSION_INVALID       `version` holds a control character (U+0000 to
+        U+001F, U+007F to U+009F): versions go into
+        logs, metric labels and gRPC metadata.
+        INVALID_ARGUMENT REQUEST_ID_INVALID    `request_id` is not a UUID (at most 64 bytes).
         INVALID_ARGUMENT REQUEST_ID_REUSED     `request_id` was used with another request.
         ABORTED          ETAG_MISMATCH         `etag` is not the current etag (stale, or from
-        another incarnation); re-read and retry.
+        another incarnation). ErrorInfo.metadata
+        ["current_etag"], ["current_revision"] and
+        ["incarnation"] describe the resource now, so
+        a writer can decide and retry without a read.
+        FAILED_PRECONDITION PARTIAL_UPDATE     the last weight update failed part-way
+        (WeightVersion.last_failure): the weights may
+        be mixed, and no version is declared over them
+        until an update succeeds.
         On every error the resource is unchanged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -94,11 +104,20 @@ class WeightVersionServiceServicer:
         """Streams the resource: first its current state, then every change, in order, each once.
         Ends with UNAVAILABLE when the server shuts down.
 
+        Revisions count afresh on every server start, so a `since_revision` is meaningful only
+        within the incarnation it was read under: send that `incarnation` with it (as
+        ForwardPassMetricsService's `resume_incarnation`).
+
         Errors:
-        OUT_OF_RANGE REVISION_COMPACTED  `since_revision` is older than the history kept;
+        OUT_OF_RANGE REVISION_COMPACTED   `since_revision` is older than the history kept;
         ErrorInfo.metadata["oldest_revision"] says what is.
-        OUT_OF_RANGE REVISION_IN_FUTURE  `since_revision` is ahead of the current revision
+        OUT_OF_RANGE REVISION_IN_FUTURE   `since_revision` is ahead of the current revision
         (probably from an earlier incarnation).
+        OUT_OF_RANGE INCARNATION_CHANGED  `incarnation` is not this server's: it restarted
+        and revisions count afresh.
+        Every OUT_OF_RANGE error carries metadata["incarnation"], the current one. On
+        OUT_OF_RANGE, discard what was built from earlier states and watch again without
+        `since_revision` (the stream then starts with the current state).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
