@@ -9,11 +9,17 @@ own loop (see control_loop.py); every call into AsyncLLM runs on the engine's lo
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import multiprocessing
 import os
+import signal
+import threading
+import time
 from argparse import Namespace
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from multiprocessing import connection
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import psutil
@@ -26,6 +32,7 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = structlog.get_logger("enginectl.engine")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,11 @@ class EngineAdapter:
 
         self._llm = llm
         self._loop = loop  # the loop AsyncLLM and vLLM's HTTP server run on
+        self._stopping = False  # set by `shutdown`: processes ending now are not a death
+        self._death_cause: str | None = None
+        self._on_death: Callable[[str], None] | None = None
+        # Resolved with the cause when the engine dies; made on the engine's loop by on_death.
+        self._death: asyncio.Future[str] | None = None
         model, parallel = llm.model_config, llm.vllm_config.parallel_config
         served = model.served_model_name
         self.info = EngineInfo(
@@ -98,12 +110,96 @@ class EngineAdapter:
     def errored(self) -> bool:
         return bool(self._llm.errored)
 
+    @property
+    def death_cause(self) -> str | None:
+        """Why the engine died, once it did (None while it lives or after a `shutdown`)."""
+        return self._death_cause
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(cause)` once, on the engine's loop, the moment vLLM's engine dies
+        (never for `shutdown`). Call on the engine's loop, once, after `start`.
+
+        Two signals, whichever comes first; both are events, nothing polls:
+        - an EngineCore process exits: a thread blocks on the processes' sentinels, as vLLM's
+          own monitor does (`CoreEngineProcManager.monitor_engine_liveness`, which then marks
+          the engine dead but calls nobody back). This is the earliest sign of a killed or
+          crashed EngineCore.
+        - AsyncLLM's output handler ends: it stops only on EngineDeadError or another failure,
+          after which `AsyncLLM.errored` is true, so this covers a death that leaves the
+          processes up. AsyncLLM starts that handler itself when it is built on a running
+          loop; `start` builds it on a thread, so it is started here instead of on the first
+          request.
+        """
+        if self._on_death is not None:
+            raise RuntimeError("on_death is set once")
+        self._on_death = callback
+        self._death = self._loop.create_future()
+        llm = self._llm
+        llm._run_output_handler()
+        if llm.output_handler is not None:
+            llm.output_handler.add_done_callback(lambda _: self._died(self._handler_cause()))
+        processes = self._engine_processes()
+        if processes:
+            threading.Thread(target=self._watch_processes, args=(processes,), daemon=True,
+                             name="enginectl-engine-watch").start()
+        if llm.errored:  # died before anyone was listening
+            self._died("the engine was already dead when the control plane started watching it")
+
+    def _engine_processes(self) -> list[Any]:
+        """The EngineCore processes (multiprocessing), when this process started them."""
+        manager = getattr(getattr(self._llm.engine_core, "resources", None), "engine_manager", None)
+        return [p for p in getattr(manager, "processes", None) or () if hasattr(p, "sentinel")]
+
+    def _watch_processes(self, processes: list[Any]) -> None:
+        """Runs on its own thread: block until an EngineCore exits, then report it."""
+        by_sentinel = {p.sentinel: p for p in processes}
+        ended = connection.wait(list(by_sentinel))
+        if self._stopping:
+            return
+        cause = "; ".join(_exited(by_sentinel[s]) for s in ended)
+        try:
+            self._loop.call_soon_threadsafe(self._died, cause)
+        except RuntimeError:  # the loop is closed: the process is exiting anyway
+            pass
+
+    def _handler_cause(self) -> str:
+        exited = [_exited(p) for p in self._engine_processes() if p.exitcode is not None]
+        return "vLLM's output handler stopped (EngineDeadError)" + (f": {'; '.join(exited)}" if exited else "")
+
+    def _died(self, cause: str) -> None:
+        """On the engine's loop: the first report of a death calls back; later ones, and any
+        during `shutdown`, are ignored."""
+        if self._stopping or self._death_cause is not None:
+            return
+        self._death_cause = cause
+        if self._death is not None and not self._death.done():
+            self._death.set_result(cause)
+        if self._on_death is not None:
+            self._on_death(cause)
+
+    async def _unless_dead(self, call: Coroutine[Any, Any, T]) -> T:
+        """On the engine's loop: await `call`, but raise ENGINE_DEAD the moment the engine
+        dies. vLLM leaves a utility call to a dead EngineCore pending for ever."""
+        if self._death is None:
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            await asyncio.wait((task, self._death), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the caller was cancelled
+            task.cancel()
+            raise
+        if not task.done():
+            task.cancel()
+            raise _engine_dead(f"the engine died during the call ({self._death_cause})")
+        return task.result()
+
     async def call_all(self, method: str, *args: Any) -> list[Any]:
         """Call an EngineCore utility on every DP rank; one result per rank, in rank order."""
         if self._llm.errored:
             raise _engine_dead("the engine has died")
         try:
-            return list(await run_on(self._loop, self._llm.engine_core.call_utility_all_async(method, *args)))
+            call = self._llm.engine_core.call_utility_all_async(method, *args)
+            return list(await run_on(self._loop, self._unless_dead(call)))
         except (asyncio.CancelledError, ControlPlaneError):
             raise
         except Exception as exc:
@@ -127,6 +223,7 @@ class EngineAdapter:
         Blocking; run it off the event loop. vLLM's own process kill can take longer than its
         timeout on a loaded 2-core machine, so we reap what is left ourselves.
         """
+        self._stopping = True
         try:
             self._llm.shutdown(timeout=timeout)
         except Exception:  # keep going: the children must still be reaped
@@ -169,28 +266,71 @@ async def _call_each(core: Any, method: str, args: tuple[Any, ...], timeout: flo
     return outcomes
 
 
+def _exited(process: Any) -> str:
+    """'EngineCore_DP0 (pid 123) was killed by SIGKILL', or '... exited with code 1'."""
+    code = process.exitcode
+    if code is None:  # vLLM's monitor thread reaped it first and has not recorded the code yet
+        how = "exited"
+    elif code < 0:
+        how = f"was killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"exited ({code})"
+    else:
+        how = f"exited with code {code}"
+    return f"{process.name} (pid {process.pid}) {how}"
+
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def adopt_orphans() -> bool:
+    """Make this process the subreaper of its descendants (Linux): a grandchild orphaned by a
+    dying child, such as a vLLM worker whose EngineCore was killed, is re-parented here
+    instead of to init, so `reap_children` still finds and stops it. Call before the engine
+    starts; returns whether it took effect."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):  # not Linux
+        return False
+
+
 def reap_children(timeout: float) -> None:
-    """Join every child process; terminate, then kill, whatever is still alive."""
+    """Join every child process; terminate, then kill, whatever is still alive; then stop
+    multiprocessing's resource tracker, last: it exits only once every process holding its
+    pipe (each spawned child, and their children) is gone, so stopping it first would wait
+    for a straggler, e.g. a worker orphaned by a killed EngineCore, for as long as it lives."""
+    deadline = time.monotonic() + timeout
     for child in multiprocessing.active_children():
-        child.join(timeout)
-    _stop_resource_tracker()
+        child.join(max(deadline - time.monotonic(), 0.0))
     me = psutil.Process(os.getpid())
-    children = me.children(recursive=True)
-    for child in children:
+    tracker = _resource_tracker_pid()
+    _terminate_then_kill([c for c in me.children(recursive=True) if c.pid != tracker], timeout)
+    _stop_resource_tracker()
+    _terminate_then_kill(me.children(recursive=True), timeout)  # whatever is left (a hung tracker)
+    for child in multiprocessing.active_children():  # collect exit codes, no zombies
+        child.join(0)
+
+
+def _terminate_then_kill(processes: list[psutil.Process], timeout: float) -> None:
+    for process in processes:
         try:
-            child.terminate()
+            process.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(children, timeout=timeout)
-    for child in alive:
-        log.warning("killing child process that ignored SIGTERM", pid=child.pid)
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    for process in alive:
+        log.warning("killing child process that ignored SIGTERM", pid=process.pid)
         try:
-            child.kill()
+            process.kill()
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=timeout)
-    for child in multiprocessing.active_children():  # collect exit codes, no zombies
-        child.join(0)
+
+
+def _resource_tracker_pid() -> int | None:
+    from multiprocessing import resource_tracker
+
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return pid if isinstance(pid, int) else None
 
 
 def _stop_resource_tracker() -> None:

@@ -73,7 +73,13 @@ class Relayed:
 
 
 class RelayClosed(Exception):
-    """The relay was closed (server shutting down): subscriptions end."""
+    """The relay was closed: subscriptions end. `reason` (an ErrorInfo reason) says why:
+    SHUTTING_DOWN, or ENGINE_DEAD when the engine died."""
+
+    def __init__(self, reason: str = Reason.SHUTTING_DOWN, message: str = "server is shutting down") -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
 
 
 @dataclass
@@ -186,7 +192,7 @@ class Subscription:
         SEQUENCE_EVICTED if a replay fell behind the ring.
         """
         if self._closed:
-            raise RelayClosed()
+            raise self._relay.closed_error()
         if self._cursor is not None:
             batch = self._replay(max_size)
         else:
@@ -262,6 +268,7 @@ class FpmRelay:
         self._live: set[Subscription] = set()
         self._subscriptions: set[Subscription] = set()
         self._closed = False
+        self._close_cause = (Reason.SHUTTING_DOWN, "server is shutting down")
 
     @property
     def head(self) -> int:
@@ -302,7 +309,7 @@ class FpmRelay:
         when the relay is closed.
         """
         if self._closed:
-            raise RelayClosed()
+            raise self.closed_error()
         cursor = None
         if resume_after is not None:
             if resume_after > self.ring.head:
@@ -337,8 +344,15 @@ class FpmRelay:
             },
         )
 
-    def close(self) -> None:
-        """End every subscription with RelayClosed (server shutdown)."""
+    def close(self, reason: str = Reason.SHUTTING_DOWN, message: str = "server is shutting down") -> None:
+        """End every subscription with RelayClosed(reason, message); the first close's reason
+        stays (the engine died, then the server shuts down: ENGINE_DEAD)."""
+        if not self._closed:
+            self._close_cause = (reason, message)
         self._closed = True
         for subscription in list(self._subscriptions):
             subscription._shutdown()
+
+    def closed_error(self) -> RelayClosed:
+        """What a subscription of the closed relay raises."""
+        return RelayClosed(*self._close_cause)

@@ -23,12 +23,8 @@ from enginectl.fpm.v1 import (
 )
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.fpm_relay import FpmRelay, Relayed, RelayClosed, SampleFilter, varint
+from enginectl.server.limits import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, MAX_FILTER_ENTRIES, MAX_WORKER_ID_BYTES
 
-# Bounds from the proto.
-MAX_FILTER_ENTRIES = 1_024
-MAX_WORKER_ID_BYTES = 256
-MAX_BATCH_SIZE = 10_000
-DEFAULT_BATCH_SIZE = 1_000
 # A stream that sent nothing for this long sends a progress message.
 PROGRESS_INTERVAL_S = 1.0
 
@@ -115,14 +111,15 @@ class ForwardPassMetricsServicer(pb2_grpc.ForwardPassMetricsServiceServicer):
                 raise ControlPlaneError(
                     grpc.StatusCode.OUT_OF_RANGE,
                     Reason.INCARNATION_CHANGED,
-                    f"resume_incarnation {request.resume_incarnation!r} is not this server's "
+                    # Echo a bounded prefix: the whole status must fit in gRPC's trailers (8 KiB).
+                    f"resume_incarnation {request.resume_incarnation[:64]!r} is not this server's "
                     f"({relay.incarnation!r}): it restarted and sequences count afresh",
                     metadata={"incarnation": relay.incarnation},
                 )
         try:
             subscription = relay.subscribe(sample_filter, resume_after)
-        except RelayClosed:
-            raise _shutting_down() from None
+        except RelayClosed as closed:
+            raise _closed(closed) from None
         try:
             yield self._progress(relay.head if resume_after is None else resume_after)
             while True:
@@ -134,11 +131,12 @@ class ForwardPassMetricsServicer(pb2_grpc.ForwardPassMetricsServiceServicer):
                     yield encode_batch(samples, missed)
                 else:  # a replay scanned a stretch its filter rejects: let others run
                     await asyncio.sleep(0)
-        except RelayClosed:
-            raise _shutting_down() from None
+        except RelayClosed as closed:
+            raise _closed(closed) from None
         finally:
             subscription.close()
 
 
-def _shutting_down() -> ControlPlaneError:
-    return ControlPlaneError(grpc.StatusCode.UNAVAILABLE, Reason.SHUTTING_DOWN, "server is shutting down")
+def _closed(closed: RelayClosed) -> ControlPlaneError:
+    """UNAVAILABLE with the relay's reason: SHUTTING_DOWN, or ENGINE_DEAD."""
+    return ControlPlaneError(grpc.StatusCode.UNAVAILABLE, closed.reason, closed.message)

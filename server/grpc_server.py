@@ -26,8 +26,10 @@ from enginectl.server.fpm_identity_service import FpmIdentityServicer
 from enginectl.server.fpm_relay import FpmRelay
 from enginectl.server.fpm_stream import ForwardPassMetricsServicer
 from enginectl.server.interceptors import BearerToken, RpcInterceptor
-from enginectl.server.ledger import MAX_VERSION_BYTES, WeightVersionLedger
-from enginectl.server.operations import MAX_RETAINED, OperationsServicer, OperationStore
+from enginectl.server import limits
+from enginectl.server.ledger import WeightVersionLedger
+from enginectl.server.limits import MAX_MESSAGE_BYTES
+from enginectl.server.operations import OperationsServicer, OperationStore
 from enginectl.server.weight_update_service import WeightUpdateServicer
 from enginectl.server.weight_version_service import WeightVersionServicer
 from enginectl.weights.v1 import (
@@ -42,9 +44,6 @@ if TYPE_CHECKING:
     from enginectl.server.fpm_identity import IdentitySync
     from enginectl.server.metrics import ControlPlaneMetrics
     from enginectl.server.weight_updates import WeightUpdates
-
-# Generous for weight-update chunks and tensor manifests; every field is bounded anyway.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,8 @@ class ControlPlaneServer:
         # Without a relay (no engine behind this server) streams carry only progress messages.
         self.fpm_relay = fpm_relay or FpmRelay(incarnation=ledger.incarnation)
         self._tls = tls
-        interceptor = RpcInterceptor(
+        self._engine_dead = False
+        self._interceptor = interceptor = RpcInterceptor(
             token=BearerToken(token) if token else None,
             log_reads=log_reads,
             on_done=metrics.rpc_done if metrics else None,
@@ -216,19 +216,18 @@ class ControlPlaneServer:
 
     @staticmethod
     def _limits() -> weight_update_service_pb2.ServerLimits:
-        from enginectl.server import disk, weight_updates as wu
-
-        limits = weight_update_service_pb2.ServerLimits(
-            max_version_bytes=MAX_VERSION_BYTES, max_request_bytes=MAX_MESSAGE_BYTES,
-            max_path_bytes=disk.MAX_PATH_BYTES, max_group_name_bytes=wu.MAX_GROUP_NAME_BYTES,
-            max_tensor_name_bytes=wu.MAX_TENSOR_NAME_BYTES, max_tensors_per_update=wu.MAX_TENSORS,
-            max_shape_rank=wu.MAX_SHAPE_RANK, max_tensor_elements=wu.MAX_TENSOR_ELEMENTS,
-            max_chunk_bytes=wu.MAX_CHUNK_BYTES, max_update_groups=wu.MAX_GROUPS,
-            max_retained_operations=MAX_RETAINED,
+        """ServerLimits, from the bounds table (server/limits.py)."""
+        answer = weight_update_service_pb2.ServerLimits(
+            max_version_bytes=limits.MAX_VERSION_BYTES, max_request_bytes=limits.MAX_MESSAGE_BYTES,
+            max_path_bytes=limits.MAX_PATH_BYTES, max_group_name_bytes=limits.MAX_GROUP_NAME_BYTES,
+            max_tensor_name_bytes=limits.MAX_TENSOR_NAME_BYTES, max_tensors_per_update=limits.MAX_TENSORS,
+            max_shape_rank=limits.MAX_SHAPE_RANK, max_tensor_elements=limits.MAX_TENSOR_ELEMENTS,
+            max_chunk_bytes=limits.MAX_CHUNK_BYTES, max_update_groups=limits.MAX_GROUPS,
+            max_retained_operations=limits.MAX_RETAINED,
         )
-        limits.default_timeout.FromSeconds(int(wu.DEFAULT_TIMEOUT_S))
-        limits.max_timeout.FromSeconds(int(wu.MAX_TIMEOUT_S))
-        return limits
+        answer.default_timeout.FromSeconds(int(limits.DEFAULT_TIMEOUT_S))
+        answer.max_timeout.FromSeconds(int(limits.MAX_TIMEOUT_S))
+        return answer
 
     async def start(self, host: str, port: int) -> int:
         """Bind and start serving; returns the bound port (useful with port 0)."""
@@ -241,7 +240,10 @@ class ControlPlaneServer:
         return bound
 
     async def set_serving(self, serving: bool) -> None:
-        """Health of the whole server ("") and of every enginectl service."""
+        """Health of the whole server ("") and of every enginectl service. Once the engine
+        died it stays NOT_SERVING."""
+        if serving and self._engine_dead:
+            return
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
@@ -250,11 +252,28 @@ class ControlPlaneServer:
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
+    async def engine_dead(self, cause: str) -> None:
+        """The engine died: from now on every RPC but health and reflection answers UNAVAILABLE
+        ENGINE_DEAD (reads too: the weights a version described are gone), open Watch and FPM
+        streams end with that reason, and health is NOT_SERVING for good. Idempotent; the
+        process then shuts down (`stop`)."""
+        if self._engine_dead:
+            return
+        self._engine_dead = True
+        message = f"the engine died ({cause}); this server is shutting down"
+        # Synchronous up to the health flip: nothing runs between refusing and ending streams.
+        self._interceptor.refuse(ControlPlaneError(grpc.StatusCode.UNAVAILABLE, Reason.ENGINE_DEAD, message))
+        self.ledger.close(Reason.ENGINE_DEAD, message)
+        self.fpm_relay.close(Reason.ENGINE_DEAD, message)
+        self.operations.close(Reason.ENGINE_DEAD, message)
+        await self.set_serving(False)
+
     async def stop(self, grace: float) -> None:
         """Graceful stop: NOT_SERVING first, streams end with UNAVAILABLE, then the server."""
         await self.health.enter_graceful_shutdown()
         self.ledger.close()
         self.fpm_relay.close()
+        self.operations.close()  # calls waiting on an update end UNAVAILABLE SHUTTING_DOWN
         if self.updates is not None:
             self.updates.close()
         await self._server.stop(grace)

@@ -13,6 +13,7 @@ import inspect
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
@@ -29,6 +30,11 @@ REQUEST_ID_HEADER = "x-request-id"
 READ_ONLY_PREFIXES = ("Get", "List", "Watch", "Stream", "Wait", "Verify")
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
+# While a read-only RPC of a server with a token runs: whether the call carried that token.
+# Reads stay open, but may show an authenticated caller more (GetServerInfo lists
+# allowed_weight_roots only then). False on servers without a token: consult auth first.
+caller_authenticated: ContextVar[bool] = ContextVar("enginectl_caller_authenticated", default=False)
+
 
 class BearerToken:
     """The token mutating RPCs must present as `authorization: Bearer <token>`."""
@@ -38,13 +44,17 @@ class BearerToken:
             raise ValueError("empty token")
         self._expected = f"Bearer {token}".encode()
 
-    def check(self, context: grpc.aio.ServicerContext) -> None:
-        """Raise UNAUTHENTICATED unless the call carries the token (constant-time compare)."""
+    def presented(self, context: grpc.aio.ServicerContext) -> bool:
+        """True when the call carries the token (constant-time compare)."""
         given = b""
         for key, value in context.invocation_metadata() or ():
             if key == "authorization" and isinstance(value, str):
                 given = value.encode()
-        if not hmac.compare_digest(given, self._expected):
+        return hmac.compare_digest(given, self._expected)
+
+    def check(self, context: grpc.aio.ServicerContext) -> None:
+        """Raise UNAUTHENTICATED unless the call carries the token."""
+        if not self.presented(context):
             raise ControlPlaneError(
                 grpc.StatusCode.UNAUTHENTICATED,
                 Reason.UNAUTHENTICATED,
@@ -142,6 +152,9 @@ def _request_id(context: grpc.aio.ServicerContext) -> str:
 class RpcInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every handler once (cached per method) to, on each call:
 
+    - once `refuse` was called (the engine died), answer every RPC but health and reflection
+      with that error, reads included: this is the one place that keeps a server whose
+      engine is gone from claiming a version for weights that no longer exist;
     - require the bearer token on mutating RPCs, when the server has one;
     - answer a request that does not parse with INVALID_ARGUMENT MALFORMED_REQUEST;
     - turn a ControlPlaneError into a google.rpc.Status (ErrorInfo + BadRequest);
@@ -163,6 +176,20 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         self._log_reads = log_reads
         self._on_done = on_done  # (rpc, code) of every finished call, e.g. a metrics counter
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+        self._refusal: ControlPlaneError | None = None
+
+    def refuse(self, error: ControlPlaneError) -> None:
+        """From now on, answer every call except health and reflection with `error` (e.g.
+        UNAVAILABLE ENGINE_DEAD). Calls already running are not touched; open streams are
+        ended by their own sources. Call on the server's loop."""
+        self._refusal = error
+
+    def _refused(self) -> ControlPlaneError | None:
+        """A fresh copy of the refusal (raising one instance again would grow its traceback)."""
+        refusal = self._refusal
+        if refusal is None:
+            return None
+        return ControlPlaneError(refusal.code, refusal.reason, refusal.message, metadata=refusal.metadata)
 
     async def intercept_service(
         self,
@@ -184,7 +211,25 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         log_success = self._log_reads or not read_only
         on_done = self._on_done
         token = None if read_only else self._token
+        refused: Callable[[], ControlPlaneError | None] = (
+            _never if method.startswith(OPEN_SERVICES) else self._refused
+        )
         behavior = inner
+        if read_only and self._token is not None:
+            identify = self._token  # open, but the servicer may show the token's holder more
+            if inspect.isasyncgenfunction(inner):
+
+                async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                    caller_authenticated.set(identify.presented(context))
+                    async for item in inner(request, context):
+                        yield item
+
+            else:
+
+                def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                    caller_authenticated.set(identify.presented(context))
+                    return inner(request, context)
+
         if token is not None:
             if inspect.isasyncgenfunction(inner):
 
@@ -220,6 +265,9 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 start, error = time.perf_counter(), None
                 try:
+                    refusal = refused()
+                    if refusal is not None:
+                        raise refusal
                     async for item in behavior(check(request), context):
                         yield item
                 except ControlPlaneError as err:
@@ -235,6 +283,9 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start, error = time.perf_counter(), None
             try:
+                refusal = refused()
+                if refusal is not None:
+                    raise refusal
                 result = behavior(check(request), context)
                 if inspect.isawaitable(result):
                     result = await result
@@ -248,6 +299,11 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
                 done(context, start, error)
 
         return _rebuild(handler, unary, parse)
+
+
+def _never() -> None:
+    """Health and reflection are never refused: they say the server is NOT_SERVING."""
+    return None
 
 
 def is_read_only(method: str) -> bool:

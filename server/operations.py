@@ -19,11 +19,8 @@ from google.protobuf import any_pb2, empty_pb2
 from google.rpc import status_pb2
 
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
+from enginectl.server.limits import DEFAULT_WAIT_OPERATION_S, MAX_PAGE_SIZE, MAX_RETAINED
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
-
-MAX_RETAINED = 64
-MAX_PAGE_SIZE = 100
-MAX_WAIT_S = 3600.0
 
 
 class UpdateOperation:
@@ -82,6 +79,36 @@ class OperationStore:
     def __init__(self, retained: int = MAX_RETAINED) -> None:
         self._ops: OrderedDict[str, UpdateOperation] = OrderedDict()
         self._retained = retained
+        self.closing = asyncio.Event()  # the server is going away: waiters end now
+        self._close_error: ControlPlaneError | None = None
+
+    def close(self, reason: str = Reason.SHUTTING_DOWN, message: str = "server is shutting down") -> None:
+        """End every call that waits on an Operation with UNAVAILABLE `reason`."""
+        if self._close_error is None:
+            self._close_error = ControlPlaneError(grpc.StatusCode.UNAVAILABLE, reason, message)
+        self.closing.set()
+
+    def closed_error(self) -> ControlPlaneError:
+        """The error a call waiting on an Operation ends with once the store closed."""
+        error = self._close_error
+        assert error is not None, "closed_error before close"
+        return ControlPlaneError(error.code, error.reason, error.message, metadata=error.metadata)
+
+    async def wait(self, op: UpdateOperation, timeout: float | None) -> None:
+        """Until `op` finishes or `timeout` passes (asyncio.TimeoutError); raises
+        UNAVAILABLE (SHUTTING_DOWN or ENGINE_DEAD) once the store closes."""
+        finished = asyncio.ensure_future(op.finished.wait())
+        closing = asyncio.ensure_future(self.closing.wait())
+        try:
+            done, _ = await asyncio.wait({finished, closing}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            finished.cancel()
+            closing.cancel()
+        if op.finished.is_set():
+            return
+        if self.closing.is_set():
+            raise self.closed_error()
+        raise asyncio.TimeoutError()
 
     def add(self, op: UpdateOperation) -> None:
         self._ops[op.name] = op
@@ -144,16 +171,16 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
     async def WaitOperation(self, request: operations_pb2.WaitOperationRequest,
                             context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
         op = self._store.get(request.name)
-        timeout = MAX_WAIT_S
+        timeout = DEFAULT_WAIT_OPERATION_S
         if request.HasField("timeout"):
-            timeout = request.timeout.ToTimedelta().total_seconds()
+            timeout = request.timeout.ToNanoseconds() / 1e9  # ToTimedelta() overflows near 2**63 s
             if timeout <= 0:
                 raise invalid_field(Reason.TIMEOUT_INVALID, "timeout", "must be positive")
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
         try:
-            await asyncio.wait_for(op.finished.wait(), timeout)
+            await self._store.wait(op, timeout)
         except asyncio.TimeoutError:
             pass  # AIP-151: return the operation as it is, not done yet
         return op.proto()

@@ -6,6 +6,12 @@ flags pass through unchanged; with no model it serves the embedded default tiny 
 Shutdown on SIGTERM/SIGINT, in order: gRPC health flips to NOT_SERVING, watch streams end
 with UNAVAILABLE, the gRPC server stops, the HTTP server stops, the engine stops, and every
 child process is reaped. Exit code 0.
+
+When the engine dies (an EngineCore killed or crashed), the moment vLLM's engine reports it:
+the log says `engine_dead` with the cause, health turns NOT_SERVING, every RPC but health and
+reflection answers UNAVAILABLE ENGINE_DEAD and open streams end with that reason; then the
+same shutdown runs and the process exits with ENGINE_DEAD_EXIT_CODE within
+ENGINE_DEAD_EXIT_BOUND_S, so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import structlog
 
 if TYPE_CHECKING:
@@ -50,6 +58,15 @@ DEFAULT_MODEL_FLAGS = (
 STOP_GRACE_S = 5.0
 REAP_TIMEOUT_S = 15.0
 HTTP_START_TIMEOUT_S = 60.0
+# After the engine died, the process has exited within this bound, counted from the death
+# being noticed (milliseconds after it: EngineAdapter.on_death). The orderly shutdown takes a
+# few seconds (STOP_GRACE_S at most for gRPC and for HTTP, ENGINE_DEAD_REAP_TIMEOUT_S per
+# reaping step); should a step hang anyway, a backstop kills every child and exits
+# ENGINE_DEAD_BACKSTOP_MARGIN_S before the bound.
+ENGINE_DEAD_EXIT_BOUND_S = 30.0
+ENGINE_DEAD_EXIT_CODE = 1
+ENGINE_DEAD_REAP_TIMEOUT_S = 5.0
+ENGINE_DEAD_BACKSTOP_MARGIN_S = 3.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,7 +139,9 @@ def configure_logging(json_lines: bool) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        # One write per line (print() writes the newline separately, so a line of vLLM's or of
+        # another thread could land in between and break the JSON line).
+        logger_factory=structlog.WriteLoggerFactory(sys.stdout),
         cache_logger_on_first_use=True,
     )
 
@@ -248,6 +267,30 @@ async def _http_started(server: uvicorn.Server, http: asyncio.Task[Any], stop: a
         await asyncio.sleep(0.005)
 
 
+def _start_exit_backstop(exit_code: int) -> None:
+    """Guarantee ENGINE_DEAD_EXIT_BOUND_S: if the orderly shutdown is still running just
+    before it, kill every child process and exit at once with `exit_code`."""
+
+    def force_exit() -> None:
+        log.error("engine_dead_exit_forced", after_s=ENGINE_DEAD_EXIT_BOUND_S - ENGINE_DEAD_BACKSTOP_MARGIN_S)
+        try:
+            children = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            children = []
+        for child in children:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(children, timeout=ENGINE_DEAD_BACKSTOP_MARGIN_S / 2)
+        sys.stdout.flush()
+        os._exit(exit_code)
+
+    timer = threading.Timer(ENGINE_DEAD_EXIT_BOUND_S - ENGINE_DEAD_BACKSTOP_MARGIN_S, force_exit)
+    timer.daemon = True
+    timer.start()
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT (or the engine dies); returns the exit code."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -258,7 +301,7 @@ async def serve(args: argparse.Namespace) -> int:
     import vllm.envs as envs
 
     from enginectl.server.control_loop import ControlLoop
-    from enginectl.server.engine import EngineAdapter
+    from enginectl.server.engine import EngineAdapter, adopt_orphans
     from enginectl.server.fpm_identity_serve import configure_identity
     from enginectl.server.fpm_relay_zmq import FpmRelayHost
     from enginectl.server.weight_update_service import allowed_roots, configure_engine_args
@@ -284,8 +327,23 @@ async def serve(args: argparse.Namespace) -> int:
     fpm = FpmRelayHost.bind(args)  # before the engine: every EngineCore is told its endpoint
     hand_over_engine_config(args)
     configure_engine_args(args)  # every worker gets enginectl's weight extension
+    if not adopt_orphans():
+        log.warning("not_a_subreaper", effect="a worker orphaned by a dead EngineCore may outlive this process")
     engine = await asyncio.to_thread(EngineAdapter.start, args, loop)
     control = ControlLoop().start()
+    plane: ControlPlaneServer | None = None
+
+    def engine_died(cause: str) -> None:
+        """On this loop, once, the moment vLLM's engine dies: flip the control plane now
+        (it lives on the control loop), then shut down as on SIGTERM."""
+        log.error("engine_dead", cause=cause, action="shutting down", exit_code=ENGINE_DEAD_EXIT_CODE,
+                  exit_within_s=ENGINE_DEAD_EXIT_BOUND_S)
+        _start_exit_backstop(ENGINE_DEAD_EXIT_CODE)
+        if plane is not None:  # else it is flipped as soon as it exists, below
+            asyncio.run_coroutine_threadsafe(plane.engine_dead(cause), control.loop)
+        stop.set()
+
+    engine.on_death(engine_died)
     exit_code = 0
     try:
         try:
@@ -295,6 +353,8 @@ async def serve(args: argparse.Namespace) -> int:
             )
         except StartupError as exc:
             raise SystemExit(f"enginectl serve: {exc}") from None
+        if engine.death_cause is not None:  # it died while the plane was being built
+            await control.run(plane.engine_dead(engine.death_cause))
 
         client = engine.client
         log_config = get_uvicorn_log_config(args)
@@ -330,7 +390,9 @@ async def serve(args: argparse.Namespace) -> int:
 
         stopping = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({stopping, http}, return_when=asyncio.FIRST_COMPLETED)
-        if http in done:  # the HTTP server ended by itself: the engine died
+        if engine.death_cause is not None:
+            exit_code = ENGINE_DEAD_EXIT_CODE
+        elif http in done:  # the HTTP server ended by itself
             log.error("http server stopped; shutting down", engine_errored=engine.errored)
             exit_code = 1
         stopping.cancel()
@@ -347,7 +409,8 @@ async def serve(args: argparse.Namespace) -> int:
             if inspect.iscoroutine(result):  # serve_http hands back a no-op shutdown coroutine
                 await result
     finally:
-        await asyncio.to_thread(engine.shutdown, float(REAP_TIMEOUT_S))
+        reap_timeout = REAP_TIMEOUT_S if engine.death_cause is None else ENGINE_DEAD_REAP_TIMEOUT_S
+        await asyncio.to_thread(engine.shutdown, reap_timeout)
         await control.run(fpm.stop())
         control.stop()
         sock.close()
