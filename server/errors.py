@@ -15,6 +15,7 @@ from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from enginectl.client.errors import DOMAIN, FieldViolation, Reason
+from enginectl.server.limits import MAX_ERROR_MESSAGE_BYTES, MAX_ERROR_METADATA_VALUE_BYTES, MAX_ERROR_STATUS_BYTES
 
 __all__ = ["ControlPlaneError", "Reason", "FieldViolation", "to_status", "invalid_field"]
 
@@ -55,21 +56,36 @@ def invalid_field(reason: str, field: str, description: str) -> ControlPlaneErro
 
 
 def to_status(err: ControlPlaneError) -> status_pb2.Status:
-    """The google.rpc.Status (ErrorInfo + BadRequest) for a ControlPlaneError."""
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=err.metadata)
-    details = [_pack(info)]
-    if err.field_violations:
-        bad = error_details_pb2.BadRequest(
-            field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-                for v in err.field_violations
-            ]
-        )
-        details.append(_pack(bad))
-    details.extend(_pack(detail) for detail in err.details)
-    return status_pb2.Status(
-        code=getattr(code_pb2, err.code.name), message=err.message, details=details
-    )
+    """The google.rpc.Status (ErrorInfo + BadRequest) for a ControlPlaneError, bounded so it
+    fits gRPC's trailers (server/limits.py, "error statuses"): the message and each metadata
+    value are clipped, and field violations beyond the budget are left out and counted in
+    ErrorInfo.metadata["field_violations_omitted"] (the message says how many there were)."""
+    message = _clip(err.message, MAX_ERROR_MESSAGE_BYTES)
+    metadata = {key: _clip(value, MAX_ERROR_METADATA_VALUE_BYTES) for key, value in err.metadata.items()}
+    violations = [error_details_pb2.BadRequest.FieldViolation(
+        field=_clip(v.field, MAX_ERROR_METADATA_VALUE_BYTES),
+        description=_clip(v.description, MAX_ERROR_METADATA_VALUE_BYTES)) for v in err.field_violations]
+    kept = len(violations)
+    while True:
+        info_metadata = dict(metadata)
+        if kept < len(violations):
+            info_metadata["field_violations_omitted"] = str(len(violations) - kept)
+        details = [_pack(error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=info_metadata))]
+        if kept:
+            details.append(_pack(error_details_pb2.BadRequest(field_violations=violations[:kept])))
+        details.extend(_pack(detail) for detail in err.details)
+        status = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=message, details=details)
+        if status.ByteSize() <= MAX_ERROR_STATUS_BYTES or kept == 0:
+            return status
+        kept = max(0, min(kept - 1, kept * MAX_ERROR_STATUS_BYTES // status.ByteSize()))
+
+
+def _clip(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` bytes of UTF-8 (on a character boundary), "…" marking a cut."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[:limit - 3].decode("utf-8", "ignore") + "…"
 
 
 def _pack(message: object) -> any_pb2.Any:

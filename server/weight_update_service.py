@@ -16,8 +16,10 @@ import grpc
 from google.longrunning import operations_pb2
 
 from enginectl.server.errors import ControlPlaneError, Reason
+from enginectl.server.interceptors import caller_authenticated
+from enginectl.server.limits import MAX_CHUNK_BYTES
 from enginectl.server.operations import UpdateOperation
-from enginectl.server.weight_updates import MAX_CHUNK_BYTES, WeightUpdates, _Channels
+from enginectl.server.weight_updates import WeightUpdates, _Channels
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
@@ -51,6 +53,11 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
 
     def __init__(self, info: pb2.GetServerInfoResponse, updates: WeightUpdates | None = None) -> None:
         self._info = info
+        # Where this server reads weights from is for the token's holder only (the proto's
+        # allowed_weight_roots): callers without it get the same answer minus that list.
+        self._public_info = pb2.GetServerInfoResponse()
+        self._public_info.CopyFrom(info)
+        del self._public_info.allowed_weight_roots[:]
         self._updates = updates
 
     @property
@@ -62,6 +69,8 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
 
     async def GetServerInfo(self, request: pb2.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> pb2.GetServerInfoResponse:
+        if self._info.auth_required and not caller_authenticated.get():
+            return self._public_info
         return self._info
 
     async def PauseGeneration(self, request: pb2.PauseGenerationRequest,
@@ -110,6 +119,7 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
         plan = updates.plan_tensors(first.header)
         total = plan.bytes_total
         fed = asyncio.Event()
+        broken = asyncio.Event()  # the call was cancelled: the client went away
         fed_channels: list[_Channels] = []
 
         async def feed(channels: _Channels, op: UpdateOperation) -> None:
@@ -136,9 +146,12 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
                     await channels.send_chunk(offset, data)
                     received += len(data)
                 else:
-                    if received < total:
+                    if received < total and not await _broke(broken):
                         channels.abort(Reason.DATA_SIZE_MISMATCH,
                                        f"the client half-closed after {received} of {total} bytes")
+                    elif received < total:
+                        channels.abort(Reason.STREAM_BROKEN,
+                                       f"the client went away after {received} of {total} bytes")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the call broke under us
@@ -147,17 +160,37 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
                 fed.set()
 
         op, started = await updates.start(plan, feed)
+        store = updates.operations
         if started:
             try:
-                waiters = {asyncio.ensure_future(fed.wait()), asyncio.ensure_future(op.finished.wait())}
+                waiters = {asyncio.ensure_future(fed.wait()), asyncio.ensure_future(op.finished.wait()),
+                           asyncio.ensure_future(store.closing.wait())}
                 _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
                 for waiter in pending:
                     waiter.cancel()
                 if not op.done and fed_channels and fed_channels[0].aborted is not None:
-                    await op.finished.wait()  # the update is failing: the call ends with its error
+                    await store.wait(op, None)  # the update is failing: the call ends with its error
             except asyncio.CancelledError:
-                updates.abort(op, Reason.STREAM_BROKEN, "the client cancelled the stream")
+                broken.set()
+                updates.abort(op, Reason.STREAM_BROKEN, "the client cancelled the stream or went away")
                 raise
         if op.done and op.failure is not None:
             raise op.failure
+        if not op.done and store.closing.is_set():
+            raise store.closed_error()
         return op.proto()
+
+
+# A broken connection ends the request stream much as a half-close does; grpc.aio tells them
+# apart only by cancelling the handler, which can land just after the stream's end.
+STREAM_END_GRACE_S = 0.25
+
+
+async def _broke(broken: asyncio.Event) -> bool:
+    """After the request stream ended short: was it the connection breaking (the handler is
+    cancelled within STREAM_END_GRACE_S) rather than the client half-closing?"""
+    try:
+        await asyncio.wait_for(broken.wait(), STREAM_END_GRACE_S)
+    except asyncio.TimeoutError:
+        return False
+    return True

@@ -14,7 +14,6 @@ Workers (worker/weights.py) do the loading; this module reaches them through
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import shutil
 import struct
 import tempfile
@@ -35,24 +34,28 @@ from enginectl.client.types import WeightSource
 from enginectl.server.disk import DTYPE_BYTES, TensorInfo, read_header, resolve_checkpoint
 from enginectl.server.engine import EngineAdapter
 from enginectl.server.errors import ControlPlaneError, FieldViolation, Reason, invalid_field, to_status
+from enginectl.server.fingerprints import WeightFingerprints
 from enginectl.server.ledger import Failure, Fingerprint, WeightVersionLedger
+from enginectl.server.limits import (  # the bounds table (README "Limits")
+    DEFAULT_GROUP_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    MAX_GROUP_TIMEOUT_S,
+    MAX_GROUP_NAME_BYTES,
+    MAX_GROUPS,
+    MAX_SHAPE_RANK,
+    MAX_TENSOR_ELEMENTS,
+    MAX_TENSOR_NAME_BYTES,
+    MAX_TENSORS,
+    MAX_TIMEOUT_S,
+    MAX_VIOLATIONS,
+    MAX_WORLD_SIZE,
+    RPC_GRACE_S,
+)
 from enginectl.server.operations import OperationStore, UpdateOperation
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_pb2 as wv_pb2
 
 log = structlog.get_logger("enginectl.updates")
-
-DEFAULT_TIMEOUT_S = 600.0
-MAX_TIMEOUT_S = 3600.0
-MAX_TENSORS = 100_000
-MAX_TENSOR_NAME_BYTES = 1024
-MAX_SHAPE_RANK = 8
-MAX_TENSOR_ELEMENTS = 1 << 40
-MAX_CHUNK_BYTES = 4 * 1024 * 1024
-MAX_GROUPS = 16
-MAX_GROUP_NAME_BYTES = 128
-MAX_VIOLATIONS = 100
-RPC_GRACE_S = 30.0  # beyond the update's own deadline, for the workers to answer
 
 PAUSE_MODES = {pb2.PAUSE_MODE_ABORT: "abort", pb2.PAUSE_MODE_WAIT: "wait", pb2.PAUSE_MODE_KEEP: "keep"}
 DTYPE_NAMES = {
@@ -92,12 +95,15 @@ def _duration(seconds: float) -> duration_pb2.Duration:
     return d
 
 
-def _timeout(field: str, value: duration_pb2.Duration, present: bool, default: float = DEFAULT_TIMEOUT_S) -> float:
+def _timeout(field: str, value: duration_pb2.Duration, present: bool, default: float = DEFAULT_TIMEOUT_S,
+             maximum: float = MAX_TIMEOUT_S) -> float:
     if not present:
         return default
-    seconds = value.ToTimedelta().total_seconds()
-    if seconds <= 0 or seconds > MAX_TIMEOUT_S:
-        raise invalid_field(Reason.TIMEOUT_INVALID, field, f"must be in (0, {MAX_TIMEOUT_S:.0f}s]")
+    # Not ToTimedelta(): a Duration beyond timedelta's range (seconds near 2**63) raised
+    # OverflowError, which reached the caller as UNKNOWN.
+    seconds = value.ToNanoseconds() / 1e9
+    if seconds <= 0 or seconds > maximum:
+        raise invalid_field(Reason.TIMEOUT_INVALID, field, f"must be in (0, {maximum:.0f}s]")
     return seconds
 
 
@@ -215,12 +221,14 @@ class WeightUpdates:
         self._groups: dict[str, pb2.WeightsUpdateGroup] = {}
         self._groups_pending: set[str] = set()
         self._groups_in_use: set[str] = set()
-        self.fingerprint_method = ""
-        self.full_fingerprint_method = ""
-        self._full_token = ""  # names the full fingerprint workers took at the last declaration
+        self.fingerprints = WeightFingerprints(engine)
         self._utilities = False  # EngineCores have enginectl's utilities (see prepare)
         self._ranks_at_update_start: list[dict[str, Any]] = [
             {"dp_rank": r, "paused": False, "running": 0, "waiting": 0} for r in range(self._ranks)]
+
+    @property
+    def operations(self) -> OperationStore:
+        return self._store
 
     def close(self) -> None:
         if self._active is not None:
@@ -291,7 +299,7 @@ class WeightUpdates:
         self._pause_mode = ""
 
     async def pause(self, request: pb2.PauseGenerationRequest) -> pb2.PauseGenerationResponse:
-        mode = _pause_mode("mode", request.mode, default="abort")
+        mode = _pause_mode("mode", request.mode)  # unset: KEEP, as the proto says
         wait_timeout = _timeout("wait_timeout", request.wait_timeout, request.HasField("wait_timeout"),
                                 default=MAX_TIMEOUT_S)
         if self._updating():
@@ -361,10 +369,13 @@ class WeightUpdates:
 
     # --- fingerprints ----------------------------------------------------------------
 
-    async def fingerprint(self, full: bool = False) -> Fingerprint:
-        """Fingerprint the weights in memory now, on every rank (every worker of it)."""
-        per_rank = await self._engine.call_all("collective_rpc", "enginectl_fingerprint", None, (full,), None)
-        return self._fold(per_rank, "digest", "method")
+    @property
+    def fingerprint_method(self) -> str:
+        return self.fingerprints.sampled_method
+
+    @property
+    def full_fingerprint_method(self) -> str:
+        return self.fingerprints.full_method
 
     async def prepare(self) -> None:
         """Once, before serving: learn whether every EngineCore has enginectl's utilities (it
@@ -376,48 +387,22 @@ class WeightUpdates:
         except ControlPlaneError:
             if self._engine.errored:
                 raise
-        await self.fingerprint()
+        await self.fingerprints.sampled()
 
     async def declaration_fingerprint(self) -> Fingerprint:
-        """Recorded at every declaration: the sampled fingerprint (returned, milliseconds), and
-        the full one (a CRC32 per tensor), which each worker takes on a background thread and
-        keeps under a token for VerifyWeights(full): a declaration does not wait for it."""
-        token = uuid.uuid4().hex
-        per_rank = await self._engine.call_all("collective_rpc", "enginectl_declare_fingerprint", None, (token,), None)
-        self._full_token = token
-        return self._fold(per_rank, "digest", "method")
-
-    def _fold(self, per_rank: list[list[dict[str, Any]]], digest_key: str, method_key: str) -> Fingerprint:
-        """Per-worker digests folded per DP rank (TP workers of a rank combined) and overall."""
-        ranks = []
-        method = ""
-        for rank_index, workers in enumerate(per_rank):
-            ordered = sorted(workers, key=lambda w: w["worker_rank"])
-            digests = [w[digest_key] for w in ordered]
-            digest = digests[0] if len(digests) == 1 else hashlib.blake2b(
-                "".join(digests).encode(), digest_size=16).hexdigest()
-            ranks.append((int(ordered[0]["dp_rank"]) if ordered else rank_index, digest))
-            if ordered:
-                method = ordered[0][method_key]
-                self.fingerprint_method = ordered[0]["sampled_method"]
-                self.full_fingerprint_method = ordered[0]["full_method"]
-        overall = hashlib.blake2b("|".join(d for _, d in ranks).encode(), digest_size=16).hexdigest()
-        return Fingerprint(method=method, digest=overall, ranks=tuple(ranks))
+        """Recorded at every declaration (see server/fingerprints.py)."""
+        return await self.fingerprints.declaration()
 
     async def verify(self, full: bool) -> tuple[int, Fingerprint | None, Fingerprint]:
         """(verdict, recorded, current) for VerifyWeights."""
         state = self._ledger.state
         recorded = state.fingerprint
         if full:
-            per_rank = await self._engine.call_all("collective_rpc", "enginectl_verify_full", None,
-                                                   (self._full_token,), None)
-            current = self._fold(per_rank, "digest", "method")
+            recorded_full, current = await self.fingerprints.verify_full()
             if recorded is not None:
-                recorded = self._fold(per_rank, "recorded_digest", "method")
-                if not all(digest for _, digest in recorded.ranks):
-                    recorded = None  # no full baseline (e.g. another incarnation of a worker)
+                recorded = recorded_full  # None: no full baseline (e.g. the weights changed since)
         else:
-            current = await self.fingerprint(False)
+            current = await self.fingerprints.sampled()
         if not state.declared or recorded is None:
             return 3, recorded, current  # VERIFY_VERDICT_UNDECLARED
         return (1 if recorded.digest == current.digest else 2), recorded, current
@@ -551,6 +536,8 @@ class WeightUpdates:
         self._store.add(op)
         if plan.request_id:
             self._plans[plan.request_id] = (plan.key(), op)
+        # A retry is answered while its Operation is still kept: forget the evicted ones.
+        self._plans = {rid: known for rid, known in self._plans.items() if self._store.find(known[1].name) is known[1]}
         self._active = op  # from here on, another update is refused
         lock = self._ledger.writing()
         try:
@@ -586,12 +573,22 @@ class WeightUpdates:
         pause_duration = 0.0
         in_flight = 0
         try:
+            # The declaration this update may fail back to keeps its full baseline (taken in
+            # slices between generation steps): let it finish before any weight changes.
+            await self.fingerprints.settle()
             before = await self._ranks_state()
             self._ranks_at_update_start = before
             in_flight = sum(r["running"] + r["waiting"] for r in before)
             if not any(r["paused"] for r in before):
                 self._phase(op, pb2.UPDATE_PHASE_PAUSING)
-                await self._pause_engine(plan.pause_mode, False, None if plan.pause_mode != "wait" else plan.timeout)
+                try:
+                    await self._pause_engine(plan.pause_mode, False,
+                                             None if plan.pause_mode != "wait" else max(deadline - time.time(), 0.0))
+                except asyncio.TimeoutError:
+                    await self._resume_engine()  # WAIT stopped admitting requests: undo it
+                    raise _UpdateFailed("UPDATE_TIMEOUT", "requests did not drain (pause_mode WAIT) within the "
+                                        f"update's timeout ({plan.timeout:.3f}s); generation was resumed",
+                                        modified=False) from None
                 paused_by_update = True
                 op.metadata.paused_by_update = True
             elif self._partial and not self._caller_paused:
@@ -604,7 +601,7 @@ class WeightUpdates:
             try:
                 self._ledger.check_etag(plan.etag)
             except ControlPlaneError as exc:
-                raise _UpdateFailed("ETAG_MISMATCH", exc.message, modified=False) from None
+                raise _UpdateFailed("ETAG_MISMATCH", exc.message, modified=False, metadata=exc.metadata) from None
             self._phase(op, pb2.UPDATE_PHASE_RECEIVING if feed or plan.group else pb2.UPDATE_PHASE_LOADING)
             results = await self._load(op, plan, channels, deadline, feed)
             errors = [r["error"] for r in results if r["error"]]
@@ -624,12 +621,11 @@ class WeightUpdates:
                     "enginectl_finish_update", plan.reset_cache, token, plan.version, resumed)
                 fingerprint = None
                 if token:
-                    self._full_token = token
-                    fingerprint = self._fold([f["fingerprints"] for f in finished], "digest", "method")
+                    fingerprint = self.fingerprints.declared(token, [f["fingerprints"] for f in finished])
                 state = await self._ledger.record_update(plan.version, plan.source, fingerprint, published=True)
             else:
                 if plan.reset_cache:
-                    await self._engine.call_all("reset_prefix_cache", False, False)
+                    await self._engine.call_all("reset_prefix_cache", True, False)  # see enginectl_finish_update
                 fingerprint = await self.declaration_fingerprint() if plan.version is not None else None
                 state = await self._ledger.record_update(plan.version, plan.source, fingerprint)
             lock.release()
@@ -705,7 +701,8 @@ class WeightUpdates:
                     await self._resume_engine()
                 except ControlPlaneError:
                     log.exception("resume after a failed update failed", operation=op.name)
-            error = ControlPlaneError(code, failure.cause, failure.message, metadata={"operation": op.name})
+            error = ControlPlaneError(code, failure.cause, failure.message,
+                                      metadata=dict(failure.metadata, operation=op.name))
         if plan.group and failure.cause in ("GROUP_TIMEOUT", "STREAM_BROKEN", "UPDATE_CANCELLED", "GROUP_BROKEN"):
             await self._drop_group(plan.group)
         op.failure = error
@@ -778,6 +775,8 @@ class WeightUpdates:
         if not 0 < request.master_port < 65536:
             raise invalid_field(Reason.MASTER_ADDRESS_INVALID, "master_port", "in 1..65535")
         workers = self._engine.info.num_workers
+        if request.world_size > MAX_WORLD_SIZE:
+            raise invalid_field(Reason.GROUP_SIZE_INVALID, "world_size", f"at most {MAX_WORLD_SIZE}")
         if request.rank_offset < 1 or request.world_size < request.rank_offset + workers:
             raise invalid_field(Reason.GROUP_SIZE_INVALID, "world_size",
                                 f"rank_offset must be >= 1 (the trainer is rank 0) and world_size >= "
@@ -786,7 +785,8 @@ class WeightUpdates:
             raise invalid_field(Reason.GROUP_BACKEND_REQUIRED, "backend", "GLOO or NCCL")
         if request.backend not in (pb2.GROUP_BACKEND_GLOO, pb2.GROUP_BACKEND_NCCL):
             raise invalid_field(Reason.GROUP_BACKEND_REQUIRED, "backend", "GLOO or NCCL")
-        timeout = _timeout("timeout", request.timeout, request.HasField("timeout"), default=60.0)
+        timeout = _timeout("timeout", request.timeout, request.HasField("timeout"), default=DEFAULT_GROUP_TIMEOUT_S,
+                           maximum=MAX_GROUP_TIMEOUT_S)
         if request.backend == pb2.GROUP_BACKEND_NCCL and pb2.UPDATE_BACKEND_NCCL not in self.backends():
             raise ControlPlaneError(grpc.StatusCode.FAILED_PRECONDITION, Reason.BACKEND_UNAVAILABLE,
                                     "NCCL needs CUDA GPUs; this engine has none (use GLOO or the tensor stream)")
@@ -854,9 +854,10 @@ class WeightUpdates:
 
 
 class _UpdateFailed(Exception):
-    def __init__(self, cause: str, message: str, *, modified: bool) -> None:
+    def __init__(self, cause: str, message: str, *, modified: bool, metadata: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.cause, self.message, self.modified = cause, message, modified
+        self.metadata = dict(metadata or {})
 
 
 def _per_rank(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
