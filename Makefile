@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install serve test check check-protos gen bench
+.PHONY: install serve test check check-protos gen bench soak
 
 install:
 	./scripts/install.sh
@@ -30,3 +30,7 @@ test: install check
 
 bench: install
 	$(BIN)/python -m bench $(ARGS)
+
+# A bounded soak of one server (default 10 minutes; ARGS="--duration 90"); not part of `test`.
+soak: install
+	$(BIN)/python -m bench.soak $(ARGS)
