@@ -1,7 +1,6 @@
 """Every bound the server puts on its inputs, in one table.
 
-Runs in the `enginectl serve` process (and is imported by the EngineCore side of the worker
-identity, worker/fpm_identity.py, so both sides share one rule). Pure: no gRPC, no vLLM.
+Runs in the `enginectl serve` process. Pure: no gRPC, no vLLM.
 
 The values are the ones the protos document (ServerLimits in weight_update_service.proto,
 the field comments of every request) and that GetServerInfo.limits reports; README
@@ -11,9 +10,12 @@ RESOURCE_EXHAUSTED for server-wide counts) and a stable reason before anything c
 
 from __future__ import annotations
 
-import re
-from enum import Enum
 from typing import Final
+
+# The label rule (versions, worker ids) lives with the EngineCore code that checks it too.
+from enginectl.worker.labels import MAX_WORKER_ID_BYTES as MAX_WORKER_ID_BYTES
+from enginectl.worker.labels import LabelProblem as LabelProblem
+from enginectl.worker.labels import label_problem as label_problem
 
 # --- strings (bytes of UTF-8) --------------------------------------------------------------
 
@@ -24,8 +26,8 @@ MAX_VERSION_BYTES: Final = 256
 # number of hyphens, so the text is bounded too (canonical form: 36, URN form: 45).
 MAX_REQUEST_ID_BYTES: Final = 64
 # A worker id (SetWorkerIdentity, `--worker-id`, FPM stream filters): 1..256 bytes, no
-# control characters (WORKER_ID_REQUIRED / WORKER_ID_TOO_LONG / WORKER_ID_INVALID).
-MAX_WORKER_ID_BYTES: Final = 256
+# control characters (WORKER_ID_REQUIRED / WORKER_ID_TOO_LONG / WORKER_ID_INVALID). Defined
+# with the label rule in worker/labels.py, which the EngineCores check it with too.
 # A TensorSpec name (TENSOR_SPEC_INVALID).
 MAX_TENSOR_NAME_BYTES: Final = 1024
 # An update group name, 1..128 bytes of [A-Za-z0-9._-] (GROUP_NAME_INVALID).
@@ -100,33 +102,6 @@ MAX_IDENTITY_TIMEOUT_S: Final = 300.0
 # is); the call's own deadline bounds it too.
 DEFAULT_WAIT_OPERATION_S: Final = 3600.0
 
-
-# --- the label rule -------------------------------------------------------------------------
-
-class LabelProblem(Enum):
-    """Why a string can not be a label (a version or a worker id)."""
-
-    EMPTY = "empty"
-    TOO_LONG = "too long"
-    CONTROL_CHARACTER = "control character"
-
-
-# Unicode category Cc: C0 (NUL, LF, ESC, ...), DEL and C1. Labels go into log lines, metric
-# label values and gRPC metadata, where these split lines, forge records or are refused.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
-
-
-def label_problem(value: str, max_bytes: int) -> LabelProblem | None:
-    """None when `value` is 1..`max_bytes` bytes of UTF-8 without control characters; else
-    what is wrong with it. The one rule for versions and worker ids; callers map the
-    problem to their own stable reason."""
-    if not value:
-        return LabelProblem.EMPTY
-    if len(value) > max_bytes or len(value.encode("utf-8")) > max_bytes:
-        return LabelProblem.TOO_LONG
-    if _CONTROL.search(value):
-        return LabelProblem.CONTROL_CHARACTER
-    return None
 
 # --- error statuses ---------------------------------------------------------------------------
 

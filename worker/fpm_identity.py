@@ -11,8 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-# The server's bounds table (pure Python, no gRPC): one rule on both sides.
-from enginectl.server.limits import MAX_WORKER_ID_BYTES, label_problem
+from enginectl.worker.labels import MAX_WORKER_ID_BYTES, label_problem
 
 # Names of the EngineCore utilities (fpm_engine_core.py) the server calls on every rank.
 SET_IDENTITY_UTILITY = "enginectl_set_worker_identity"
@@ -34,7 +33,7 @@ class IdentityError(ValueError):
 
 def check_worker_id(worker_id: str) -> None:
     """Raise IdentityError unless `worker_id` is 1 to MAX_WORKER_ID_BYTES bytes of UTF-8
-    without control characters (the label rule of server/limits.py)."""
+    without control characters (the label rule of worker/labels.py)."""
     if not isinstance(worker_id, str):
         raise IdentityError("worker_id must be a non-empty string")
     problem = label_problem(worker_id, MAX_WORKER_ID_BYTES)
