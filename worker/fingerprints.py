@@ -159,7 +159,7 @@ class FingerprintMixin:
         taken in slices (`enginectl_full_digest`). Names both methods."""
         with weight_access(self, "fingerprint"):
             digest, probes = _sampled_digest(self.model_runner.get_model())  # type: ignore[attr-defined]
-        return self._enginectl_digest_answer(digest, probes, False)
+        return self._enginectl_digest_answer(digest, probes)
 
     def enginectl_declare_fingerprint(self, token: str) -> dict[str, Any]:
         """At a declaration: the sampled digest now (milliseconds), and a full digest recorded
@@ -176,7 +176,7 @@ class FingerprintMixin:
                 state.baseline = _Baseline(token, state.epoch, digest, last.job)
             else:
                 state.baseline = _Baseline(token, state.epoch, digest, _FullDigest(model))
-        return self._enginectl_digest_answer(digest, probes, False)
+        return self._enginectl_digest_answer(digest, probes)
 
     def enginectl_full_digest(self, job: str, token: str, budget_bytes: int = SLICE_BYTES) -> dict[str, Any]:
         """One slice of a full digest. `job` "baseline": the digest of the declaration `token`
@@ -186,8 +186,7 @@ class FingerprintMixin:
         with weight_access(self, "full digest"):
             state = self._enginectl_fingerprints()
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
-            answer = dict(self._enginectl_worker_ids(), done=True, digest="", superseded=False,
-                          method=_methods(_count_probes(model))[1])
+            answer = dict(self._enginectl_worker_ids(), done=True, digest="", superseded=False, method="")
             if job == "baseline":
                 baseline = state.baseline
                 if baseline is None or baseline.token != token or baseline.epoch != state.epoch:
@@ -206,12 +205,13 @@ class FingerprintMixin:
             if job == "verify":
                 state.verify.pop(token, None)
             answer["digest"] = str(digest_job.result)
+            answer["method"] = _methods(_count_probes(model))[1]
             return answer
 
-    def _enginectl_digest_answer(self, digest: str, probes: int, full: bool) -> dict[str, Any]:
+    def _enginectl_digest_answer(self, digest: str, probes: int) -> dict[str, Any]:
+        """A sampled digest, naming both methods (GetServerInfo reports them)."""
         sampled_method, full_method = _methods(probes)
-        return dict(self._enginectl_worker_ids(), digest=digest,
-                    method=full_method if full else sampled_method,
+        return dict(self._enginectl_worker_ids(), digest=digest, method=sampled_method,
                     sampled_method=sampled_method, full_method=full_method)
 
 
