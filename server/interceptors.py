@@ -244,17 +244,23 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
                     token.check(context)
                     return inner(request, context)
 
-        def done(context: grpc.aio.ServicerContext, start: float, error: BaseException | None) -> None:
-            name = _status_name(context, error)
+        def done(context: grpc.aio.ServicerContext, start: float, error: BaseException | None) -> bool:
+            # A ControlPlaneError is counted before its status is sent (context.abort sends it
+            # at once), so a client that reads /metrics after the error sees it counted.
+            if isinstance(error, ControlPlaneError):
+                name = error.code.name
+            else:
+                name = _status_name(context, error)
             if on_done is not None:
                 on_done(method, name)
             ok = name in ("OK", "CANCELLED")
             if ok and not log_success:
-                return
+                return True
             (log.info if ok else log.warning)(
                 "rpc", rpc=method, request_id=_request_id(context), code=name,
                 duration_ms=round((time.perf_counter() - start) * 1e3, 3),
             )
+            return True
 
         # Requests parse leniently; a malformed one becomes INVALID_ARGUMENT MALFORMED_REQUEST.
         parse = _lenient(handler.request_deserializer)
@@ -263,7 +269,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(behavior):
 
             async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                start, error = time.perf_counter(), None
+                start, error, counted = time.perf_counter(), None, False
                 try:
                     refusal = refused()
                     if refusal is not None:
@@ -271,17 +277,19 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
                     async for item in behavior(check(request), context):
                         yield item
                 except ControlPlaneError as err:
+                    counted = done(context, start, err)
                     await _abort(context, err)
                 except BaseException as err:  # logged, then re-raised to gRPC
                     error = err
                     raise
                 finally:
-                    done(context, start, error)
+                    if not counted:
+                        done(context, start, error)
 
             return _rebuild(handler, streaming, parse)
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            start, error = time.perf_counter(), None
+            start, error, counted = time.perf_counter(), None, False
             try:
                 refusal = refused()
                 if refusal is not None:
@@ -291,12 +299,14 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
                     result = await result
                 return result
             except ControlPlaneError as err:
+                counted = done(context, start, err)
                 await _abort(context, err)
             except BaseException as err:
                 error = err
                 raise
             finally:
-                done(context, start, error)
+                if not counted:
+                    done(context, start, error)
 
         return _rebuild(handler, unary, parse)
 
