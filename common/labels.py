@@ -1,7 +1,7 @@
 """The label rule: what a weight version or a worker id may be.
 
 Pure Python, no torch, no vLLM: imported by the `enginectl serve` process (server/limits.py,
-the bounds table) and inside every EngineCore (worker/fpm_identity.py), so both sides apply
+the bounds table) and inside every EngineCore (worker/fpm/identity.py), so both sides apply
 one rule. The worker never imports the server.
 """
 

@@ -1,9 +1,13 @@
 """EngineAdapter: the one module that talks to vLLM's AsyncLLM.
 
-Runs in the `enginectl serve` process. Everything that must hold on every data-parallel rank
-goes through `call_all`, one call per EngineCore, one result per rank (vLLM's plain
-`call_utility_async` answers for the first engine only). The control plane calls in from its
-own loop (see control_loop.py); every call into AsyncLLM runs on the engine's loop.
+Runs in the `enginectl serve` process. The rest of the server calls typed methods (`pause`,
+`load`, `fingerprint`, `set_worker_identity`, ...); only this module names the utilities and
+worker RPCs of the engine contract (contract/engine.py) and reads their answers into its
+structs. Everything that must hold on every data-parallel rank goes through `_call_all`, one
+call per EngineCore, one result per rank (vLLM's plain `call_utility_async` answers for the
+first engine only), or `_call_each`, which bounds and reports each rank on its own. The
+control plane calls in from its own loop (see control_loop.py); every call into AsyncLLM runs
+on the engine's loop.
 """
 
 from __future__ import annotations
@@ -19,12 +23,30 @@ from argparse import Namespace
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from multiprocessing import connection
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 import psutil
 import structlog
 
+from enginectl.contract.engine import (
+    DigestJob,
+    DigestSlice,
+    FinishUpdate,
+    GroupJoined,
+    GroupSpec,
+    LoadPlan,
+    LoadResult,
+    RankFailure,
+    RankGenerationState,
+    RankIdentity,
+    Utility,
+    VllmUtility,
+    WorkerDigest,
+    WorkerRpc,
+    read,
+    wire,
+)
 from enginectl.server.control_loop import run_on
 from enginectl.server.errors import ControlPlaneError, Reason
 
@@ -140,8 +162,9 @@ class EngineAdapter:
             llm.output_handler.add_done_callback(lambda _: self._died(self._handler_cause()))
         processes = self._engine_processes()
         if processes:
-            threading.Thread(target=self._watch_processes, args=(processes,), daemon=True,
-                             name="enginectl-engine-watch").start()
+            threading.Thread(
+                target=self._watch_processes, args=(processes,), daemon=True, name="enginectl-engine-watch"
+            ).start()
         if llm.errored:  # died before anyone was listening
             self._died("the engine was already dead when the control plane started watching it")
 
@@ -193,7 +216,7 @@ class EngineAdapter:
             raise _engine_dead(f"the engine died during the call ({self._death_cause})")
         return task.result()
 
-    async def call_all(self, method: str, *args: Any) -> list[Any]:
+    async def _call_all(self, method: str, *args: Any) -> list[Any]:
         """Call an EngineCore utility on every DP rank; one result per rank, in rank order."""
         if self._llm.errored:
             raise _engine_dead("the engine has died")
@@ -205,17 +228,103 @@ class EngineAdapter:
         except Exception as exc:
             raise _engine_dead(f"{method} failed on the engine: {exc}") from exc
 
-    async def call_each(self, method: str, *args: Any, timeout: float) -> list[RankOutcome]:
+    async def _call_each(self, method: str, *args: Any, timeout: float) -> list[RankOutcome[Any]]:
         """Call an EngineCore utility on every DP rank, each call on its own and bounded by
-        `timeout`: one outcome per rank, in rank order. Unlike `call_all`, a rank that raises
+        `timeout`: one outcome per rank, in rank order. Unlike `_call_all`, a rank that raises
         or does not answer in time is named while the others' answers are kept."""
         if self._llm.errored:
             raise _engine_dead("the engine has died")
         return await run_on(self._loop, _call_each(self._llm.engine_core, method, args, timeout))
 
+    async def _workers(self, rpc: WorkerRpc, *args: Any, timeout: float | None = None) -> list[list[Any]]:
+        """A worker RPC on every worker of every rank: per DP rank, one answer per worker."""
+        return await self._call_all(VllmUtility.COLLECTIVE_RPC.value, rpc.value, timeout, args, None)
+
+    # --- generation --------------------------------------------------------------------
+
+    async def generation_state(self) -> list[RankGenerationState]:
+        """Every rank's pause state and request counts (needs enginectl's EngineCore utilities)."""
+        return [read(RankGenerationState, r) for r in await self._call_all(Utility.GENERATION_STATE.value)]
+
+    async def is_paused(self) -> list[bool]:
+        """Every rank's pause state, through vLLM's own utility (any scheduler has it)."""
+        return [bool(p) for p in await self._call_all(VllmUtility.IS_SCHEDULER_PAUSED.value)]
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        """vLLM's pause on every rank: mode "abort", "wait" (returns once drained) or "keep"."""
+        await self._call_all(VllmUtility.PAUSE_SCHEDULER.value, mode, clear_cache)
+
+    async def resume(self) -> None:
+        await self._call_all(VllmUtility.RESUME_SCHEDULER.value)
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached KV on every rank, preempting running requests (they recompute): blocks
+        computed with old weights must never be reused (worker/engine_core.py)."""
+        await self._call_all(VllmUtility.RESET_PREFIX_CACHE.value, True, False)
+
     async def set_weight_version(self, version: str) -> None:
         """Stamp generated outputs with `version` on every rank (RequestOutput.weight_versions)."""
-        await self.call_all("set_weight_version", version)
+        await self._call_all(VllmUtility.SET_WEIGHT_VERSION.value, version)
+
+    # --- weights -----------------------------------------------------------------------
+
+    async def load(self, plan: LoadPlan, timeout: float) -> list[LoadResult]:
+        """Every worker loads `plan`; one result per worker, rank by rank. `timeout` bounds
+        the RPC itself (the workers stop at `plan.deadline`)."""
+        per_rank = await self._workers(WorkerRpc.LOAD, wire(plan), timeout=timeout)
+        return [read(LoadResult, worker) for workers in per_rank for worker in workers]
+
+    async def finish_update(self, request: FinishUpdate) -> list[list[WorkerDigest]]:
+        """Cache reset, fingerprint, version stamp and resume: one round trip per rank.
+        Returns the workers' sampled digests per rank ([] per rank without a token)."""
+        answers = await self._call_all(Utility.FINISH_UPDATE.value, wire(request))
+        return [[read(WorkerDigest, w) for w in rank] for rank in answers]
+
+    async def fingerprint(self) -> list[list[WorkerDigest]]:
+        """The sampled digest of the weights now, per rank and worker (milliseconds)."""
+        return [[read(WorkerDigest, w) for w in rank] for rank in await self._workers(WorkerRpc.FINGERPRINT)]
+
+    async def declare_fingerprint(self, token: str) -> list[list[WorkerDigest]]:
+        """A declaration's sampled digest; the workers record its full baseline under `token`."""
+        answers = await self._workers(WorkerRpc.DECLARE_FINGERPRINT, token)
+        return [[read(WorkerDigest, w) for w in rank] for rank in answers]
+
+    async def full_digest(self, job: DigestJob, token: str) -> list[list[DigestSlice]]:
+        """One slice of a full digest on every worker."""
+        answers = await self._workers(WorkerRpc.FULL_DIGEST, job.value, token)
+        return [[read(DigestSlice, w) for w in rank] for rank in answers]
+
+    async def init_group(self, spec: GroupSpec, timeout: float) -> list[RankOutcome[list[GroupJoined]]]:
+        """Every worker joins the update group `spec`; each rank bounded by `timeout`."""
+        outcomes = await self._call_each(
+            VllmUtility.COLLECTIVE_RPC.value,
+            WorkerRpc.INIT_GROUP.value,
+            spec.timeout + 5,
+            (wire(spec),),
+            None,
+            timeout=timeout,
+        )
+        return [o.map(lambda workers: [read(GroupJoined, w) for w in workers]) for o in outcomes]
+
+    async def destroy_group(self, name: str) -> None:
+        """Every worker leaves the update group `name` (a no-op where it is unknown)."""
+        await self._call_each(
+            VllmUtility.COLLECTIVE_RPC.value, WorkerRpc.DESTROY_GROUP.value, None, (name,), None, timeout=30
+        )
+
+    # --- worker identity ---------------------------------------------------------------
+
+    async def get_worker_identity(self, timeout: float) -> list[RankOutcome[RankIdentity]]:
+        """The identity every rank holds; each rank bounded by `timeout`."""
+        outcomes = await self._call_each(Utility.GET_WORKER_IDENTITY.value, timeout=timeout)
+        return [o.map(lambda answer: read(RankIdentity, answer)) for o in outcomes]
+
+    async def set_worker_identity(
+        self, worker_id: str, generation: int, timeout: float
+    ) -> list[RankOutcome[RankIdentity]]:
+        """Every rank holds `worker_id` at `generation` from its next sample on."""
+        outcomes = await self._call_each(Utility.SET_WORKER_IDENTITY.value, worker_id, generation, timeout=timeout)
+        return [o.map(lambda answer: read(RankIdentity, answer)) for o in outcomes]
 
     def shutdown(self, timeout: float) -> None:
         """Stop the engine, then make sure no child process outlives us.
@@ -231,36 +340,49 @@ class EngineAdapter:
         reap_children(timeout)
 
 
+U = TypeVar("U")
+
+
 @dataclass(frozen=True)
-class RankOutcome:
-    """One rank's answer to `call_each`: `result`, or a `failure` reason ("RANK_TIMEOUT",
-    "RANK_ERROR" or "ENGINE_DEAD") with a message."""
+class RankOutcome(Generic[T]):
+    """One rank's answer to a per-rank call: `result`, or a `failure` with a message."""
 
     dp_rank: int
-    result: Any = None
-    failure: str = ""
+    result: T | None = None
+    failure: RankFailure | None = None
     message: str = ""
 
+    def map(self, convert: Callable[[Any], U]) -> RankOutcome[U]:
+        """The same outcome with `result` converted (a failure stays as it is). A result the
+        contract can not read becomes a RANK_ERROR of that rank."""
+        if self.failure is not None:
+            return RankOutcome(self.dp_rank, None, self.failure, self.message)
+        try:
+            return RankOutcome(self.dp_rank, convert(self.result))
+        except (ValueError, TypeError) as exc:  # msgspec.ValidationError is a ValueError
+            return RankOutcome(self.dp_rank, None, RankFailure.RANK_ERROR, f"unreadable answer: {exc}")
 
-async def _call_each(core: Any, method: str, args: tuple[Any, ...], timeout: float) -> list[RankOutcome]:
+
+async def _call_each(core: Any, method: str, args: tuple[Any, ...], timeout: float) -> list[RankOutcome[Any]]:
     """Runs on the engine's loop: one utility call per EngineCore, all started at once."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
     ranks = [int.from_bytes(engine, "little") for engine in core.core_engines]
     calls = [
-        asyncio.ensure_future(core._call_utility_async(method, *args, engine=engine))
-        for engine in core.core_engines
+        asyncio.ensure_future(core._call_utility_async(method, *args, engine=engine)) for engine in core.core_engines
     ]
     await asyncio.wait(calls, timeout=max(timeout, 0.0))
-    outcomes = []
-    for rank, call in zip(ranks, calls):
+    outcomes: list[RankOutcome[Any]] = []
+    for rank, call in zip(ranks, calls, strict=True):
         if not call.done():
             call.cancel()
-            outcomes.append(RankOutcome(rank, failure="RANK_TIMEOUT", message=f"no answer within {timeout:.3f}s"))
+            outcomes.append(
+                RankOutcome(rank, failure=RankFailure.RANK_TIMEOUT, message=f"no answer within {timeout:.3f}s")
+            )
         elif isinstance(call.exception(), EngineDeadError):
-            outcomes.append(RankOutcome(rank, failure="ENGINE_DEAD", message=str(call.exception())))
+            outcomes.append(RankOutcome(rank, failure=RankFailure.ENGINE_DEAD, message=str(call.exception())))
         elif call.exception() is not None:
-            outcomes.append(RankOutcome(rank, failure="RANK_ERROR", message=str(call.exception())))
+            outcomes.append(RankOutcome(rank, failure=RankFailure.RANK_ERROR, message=str(call.exception())))
         else:
             outcomes.append(RankOutcome(rank, result=call.result()))
     return outcomes

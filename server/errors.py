@@ -14,10 +14,10 @@ from google.protobuf import any_pb2
 from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from enginectl.client.errors import DOMAIN, FieldViolation, Reason
+from enginectl.common.vocabulary import DOMAIN, FieldViolation, Reason
 from enginectl.server.limits import MAX_ERROR_MESSAGE_BYTES, MAX_ERROR_METADATA_VALUE_BYTES, MAX_ERROR_STATUS_BYTES
 
-__all__ = ["ControlPlaneError", "Reason", "FieldViolation", "to_status", "invalid_field"]
+__all__ = ["ControlPlaneError", "Reason", "FieldViolation", "to_status", "invalid_field", "out_of_range"]
 
 
 class ControlPlaneError(Exception):
@@ -55,6 +55,12 @@ def invalid_field(reason: str, field: str, description: str) -> ControlPlaneErro
     )
 
 
+def out_of_range(reason: str, message: str, **metadata: str) -> ControlPlaneError:
+    """OUT_OF_RANGE for a resume point a history no longer (or does not yet) hold: a watch's
+    revision, a metrics stream's sequence. `metadata` says where the history is now."""
+    return ControlPlaneError(grpc.StatusCode.OUT_OF_RANGE, reason, message, metadata=metadata)
+
+
 def to_status(err: ControlPlaneError) -> status_pb2.Status:
     """The google.rpc.Status (ErrorInfo + BadRequest) for a ControlPlaneError, bounded so it
     fits gRPC's trailers (server/limits.py, "error statuses"): the message and each metadata
@@ -62,9 +68,13 @@ def to_status(err: ControlPlaneError) -> status_pb2.Status:
     ErrorInfo.metadata["field_violations_omitted"] (the message says how many there were)."""
     message = _clip(err.message, MAX_ERROR_MESSAGE_BYTES)
     metadata = {key: _clip(value, MAX_ERROR_METADATA_VALUE_BYTES) for key, value in err.metadata.items()}
-    violations = [error_details_pb2.BadRequest.FieldViolation(
-        field=_clip(v.field, MAX_ERROR_METADATA_VALUE_BYTES),
-        description=_clip(v.description, MAX_ERROR_METADATA_VALUE_BYTES)) for v in err.field_violations]
+    violations = [
+        error_details_pb2.BadRequest.FieldViolation(
+            field=_clip(v.field, MAX_ERROR_METADATA_VALUE_BYTES),
+            description=_clip(v.description, MAX_ERROR_METADATA_VALUE_BYTES),
+        )
+        for v in err.field_violations
+    ]
     kept = len(violations)
     while True:
         info_metadata = dict(metadata)
@@ -85,7 +95,7 @@ def _clip(text: str, limit: int) -> str:
     data = text.encode()
     if len(data) <= limit:
         return text
-    return data[:limit - 3].decode("utf-8", "ignore") + "…"
+    return data[: limit - 3].decode("utf-8", "ignore") + "…"
 
 
 def _pack(message: object) -> any_pb2.Any:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Final
 
 # The label rule (versions, worker ids) lives with the EngineCore code that checks it too.
-from enginectl.worker.labels import MAX_WORKER_ID_BYTES as MAX_WORKER_ID_BYTES
-from enginectl.worker.labels import LabelProblem as LabelProblem
-from enginectl.worker.labels import label_problem as label_problem
+from enginectl.common.labels import MAX_WORKER_ID_BYTES as MAX_WORKER_ID_BYTES
+from enginectl.common.labels import LabelProblem as LabelProblem
+from enginectl.common.labels import label_problem as label_problem
 
 # --- strings (bytes of UTF-8) --------------------------------------------------------------
 
@@ -61,7 +61,7 @@ DEFAULT_BATCH_SIZE: Final = 1_000
 MAX_RETAINED: Final = 64
 MAX_PAGE_SIZE: Final = 100
 # The FPM ring (`--fpm-ring-size`) and each subscriber's queue (`--fpm-subscriber-queue`,
-# beyond it the queue coalesces and counts `missed`) live in fpm_relay.py: operator flags,
+# beyond it the queue coalesces and counts `missed`) live in fpm/relay.py: operator flags,
 # not request inputs.
 
 # --- sizes ----------------------------------------------------------------------------------

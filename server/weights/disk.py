@@ -20,21 +20,11 @@ from typing import BinaryIO
 
 import grpc
 
+from enginectl.common import dtypes
 from enginectl.server.errors import ControlPlaneError, FieldViolation, Reason, invalid_field
 from enginectl.server.limits import MAX_HEADER_BYTES, MAX_INDEX_BYTES, MAX_PATH_BYTES, MAX_SHAPE_RANK
 
 INDEX_SUFFIX = ".safetensors.index.json"
-
-# safetensors dtype codes -> torch dtype names (the names TensorSpec and the worker use).
-SAFETENSORS_DTYPES = {
-    "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
-    "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8",
-    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}
-DTYPE_BYTES = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "int16": 2,
-    "int32": 4, "int64": 8, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-}
 
 
 @dataclass(frozen=True)
@@ -45,10 +35,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for dim in self.shape:
-            numel *= dim
-        return numel * DTYPE_BYTES[self.dtype]
+        return dtypes.nbytes(self.dtype, self.shape)
 
 
 def unsupported(message: str) -> ControlPlaneError:
@@ -56,8 +43,11 @@ def unsupported(message: str) -> ControlPlaneError:
 
 
 _FILE_TYPES = (
-    (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-    (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "fifo"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISDIR, "directory"),
 )
 
 
@@ -70,7 +60,9 @@ def not_regular(path: Path, mode: int) -> ControlPlaneError:
     kind = _file_type(mode)
     description = f"{path} is a {kind}, not a regular file"
     return ControlPlaneError(
-        grpc.StatusCode.INVALID_ARGUMENT, Reason.NOT_A_REGULAR_FILE, description,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        Reason.NOT_A_REGULAR_FILE,
+        description,
         metadata={"file_type": kind, "real_path": str(path)},
         field_violations=[FieldViolation("path", description)],
     )
@@ -124,8 +116,10 @@ def read_header(path: Path) -> list[TensorInfo]:
             raise unsupported(f"{path.name}: not a safetensors file (too short)")
         (length,) = struct.unpack("<Q", head)
         if length < 2 or length > MAX_HEADER_BYTES or 8 + length > size:
-            raise unsupported(f"{path.name}: not a safetensors file (bad header length); "
-                              "only safetensors is loaded, pickle checkpoints are refused")
+            raise unsupported(
+                f"{path.name}: not a safetensors file (bad header length); "
+                "only safetensors is loaded, pickle checkpoints are refused"
+            )
         raw = handle.read(length)
     try:
         header = json.loads(raw)
@@ -139,7 +133,7 @@ def read_header(path: Path) -> list[TensorInfo]:
         if name == "__metadata__":
             continue
         try:
-            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            dtype = dtypes.BY_SAFETENSORS[entry["dtype"]].name
             shape = tuple(int(d) for d in entry["shape"])
             begin, end = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
@@ -166,8 +160,9 @@ def resolve_checkpoint(path: str, allowed_roots: list[Path]) -> list[Path]:
     path inside an allowed root and a regular file. Raises PATH_INVALID / PATH_NOT_FOUND /
     PATH_NOT_ALLOWED / NOT_A_REGULAR_FILE / UNSUPPORTED_FORMAT; never reads tensor data."""
     if not path or "\0" in path or len(path.encode()) > MAX_PATH_BYTES or not os.path.isabs(path):
-        raise invalid_field(Reason.PATH_INVALID, "path",
-                            f"an absolute path of at most {MAX_PATH_BYTES} bytes, without NUL")
+        raise invalid_field(
+            Reason.PATH_INVALID, "path", f"an absolute path of at most {MAX_PATH_BYTES} bytes, without NUL"
+        )
     roots = [Path(os.path.realpath(root)) for root in allowed_roots]
 
     def allowed(candidate: Path, directory: bool = False) -> Path:
@@ -176,7 +171,8 @@ def resolve_checkpoint(path: str, allowed_roots: list[Path]) -> list[Path]:
         real = Path(os.path.realpath(candidate))
         if not _inside(real, roots):
             raise ControlPlaneError(
-                grpc.StatusCode.PERMISSION_DENIED, Reason.PATH_NOT_ALLOWED,
+                grpc.StatusCode.PERMISSION_DENIED,
+                Reason.PATH_NOT_ALLOWED,
                 f"{candidate} resolves to {real}, outside every allowed weight root "
                 "(--allow-weights-from; see GetServerInfo.allowed_weight_roots)",
                 metadata={"real_path": str(real)},
@@ -198,7 +194,10 @@ def resolve_checkpoint(path: str, allowed_roots: list[Path]) -> list[Path]:
         files = sorted(target.glob("*.safetensors"))
         if not files:
             others = sorted(p.name for p in target.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf", ".ckpt"))
-            raise unsupported(f"{path}: no .safetensors file" + (f" (found {', '.join(others[:5])}: only safetensors is loaded)" if others else ""))
+            raise unsupported(
+                f"{path}: no .safetensors file"
+                + (f" (found {', '.join(others[:5])}: only safetensors is loaded)" if others else "")
+            )
         return [allowed(f) for f in files]
     if target.name.endswith(INDEX_SUFFIX):
         return _index_files(target, allowed)

@@ -1,7 +1,7 @@
 """WeightFingerprints: the digests behind a declaration's fingerprint and VerifyWeights.
 
 Runs in the `enginectl serve` process, on the control loop. The workers compute the digests
-(worker/fingerprints.py) inside worker RPCs, which vLLM serialises with the forward pass; this
+(worker/weights/fingerprints.py) inside worker RPCs, which vLLM serialises with the forward pass; this
 module only decides what to ask for and when:
 - a declaration records the sampled digest at once (milliseconds, one round trip) and starts
   the full baseline: slices of at most worker SLICE_BYTES, one EngineCore round trip each, so
@@ -17,22 +17,28 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
-import structlog
+from enginectl.contract.engine import DigestJob, DigestSlice, WorkerDigest
+from enginectl.server.weights.ledger import Fingerprint, VersionState
+from enginectl.weights.v1 import weight_version_service_pb2 as wvs_pb2
 
-from enginectl.server.engine import EngineAdapter
-from enginectl.server.ledger import Fingerprint
 
-log = structlog.get_logger("enginectl.fingerprints")
+class FingerprintEngine(Protocol):
+    """What WeightFingerprints needs of the engine (server/engine.py EngineAdapter)."""
 
-Workers = list[list[dict[str, Any]]]  # per DP rank, per worker of that rank
+    async def fingerprint(self) -> list[list[WorkerDigest]]: ...
+
+    async def declare_fingerprint(self, token: str) -> list[list[WorkerDigest]]: ...
+
+    async def full_digest(self, job: DigestJob, token: str) -> list[list[DigestSlice]]: ...
 
 
 class WeightFingerprints:
     """Sampled and full digests of the weights on every rank (see the module docstring)."""
 
-    def __init__(self, engine: EngineAdapter) -> None:
+    def __init__(self, engine: FingerprintEngine) -> None:
         self._engine = engine
         self.sampled_method = ""
         self.full_method = ""
@@ -40,17 +46,17 @@ class WeightFingerprints:
 
     async def sampled(self) -> Fingerprint:
         """The sampled digest of the weights now (milliseconds)."""
-        return self._fold(await self._rpc("enginectl_fingerprint"))
+        return self._fold(await self._engine.fingerprint())
 
     async def declaration(self) -> Fingerprint:
         """For a declaration: the sampled digest now; the full baseline follows in slices."""
         token = uuid.uuid4().hex
-        return self.declared(token, await self._rpc("enginectl_declare_fingerprint", token))
+        return self.declared(token, await self._engine.declare_fingerprint(token))
 
-    def declared(self, token: str, workers: Workers) -> Fingerprint:
+    def declared(self, token: str, workers: list[list[WorkerDigest]]) -> Fingerprint:
         """Record that the workers took the sampled digest `workers` of a declaration under
         `token` (directly or inside another utility), and start its full baseline."""
-        self._baseline = asyncio.ensure_future(self._drive("baseline", token))
+        self._baseline = asyncio.ensure_future(self._drive(DigestJob.BASELINE, token))
         self._baseline.add_done_callback(_retrieve)
         return self._fold(workers)
 
@@ -61,9 +67,25 @@ class WeightFingerprints:
     async def verify_full(self) -> tuple[Fingerprint | None, Fingerprint]:
         """(recorded full digest of the last declaration, or None; full digest now)."""
         recorded = await self._recorded_full()
-        current = await self._drive("verify", uuid.uuid4().hex)
+        current = await self._drive(DigestJob.VERIFY, uuid.uuid4().hex)
         assert current is not None  # a verify job is never superseded
         return recorded, current
+
+    async def verify(
+        self, state: VersionState, full: bool
+    ) -> tuple[wvs_pb2.VerifyVerdict.ValueType, Fingerprint | None, Fingerprint]:
+        """VerifyWeights against the declaration `state`: (verdict, recorded, current)."""
+        recorded = state.fingerprint
+        if full:
+            recorded_full, current = await self.verify_full()
+            if recorded is not None:
+                recorded = recorded_full  # None: no full baseline (e.g. the weights changed since)
+        else:
+            current = await self.sampled()
+        if not state.declared or recorded is None:
+            return wvs_pb2.VERIFY_VERDICT_UNDECLARED, recorded, current
+        verdict = wvs_pb2.VERIFY_VERDICT_MATCH if recorded.digest == current.digest else wvs_pb2.VERIFY_VERDICT_DRIFTED
+        return verdict, recorded, current
 
     async def _recorded_full(self) -> Fingerprint | None:
         baseline = self._baseline
@@ -71,35 +93,36 @@ class WeightFingerprints:
             return None
         return await asyncio.shield(baseline)
 
-    async def _drive(self, job: str, token: str) -> Fingerprint | None:
+    async def _drive(self, job: DigestJob, token: str) -> Fingerprint | None:
         """Slices until every worker is done; None when the workers say another declaration
         or a write superseded this baseline."""
         while True:
-            workers = await self._rpc("enginectl_full_digest", job, token)
+            workers = await self._engine.full_digest(job, token)
             flat = [w for rank in workers for w in rank]
-            if any(w["superseded"] for w in flat):
+            if any(w.superseded for w in flat):
                 return None
-            if all(w["done"] for w in flat):
+            if all(w.done for w in flat):
                 return self._fold(workers)
 
-    async def _rpc(self, method: str, *args: Any) -> Workers:
-        return list(await self._engine.call_all("collective_rpc", method, None, args, None))
-
-    def _fold(self, per_rank: Workers) -> Fingerprint:
+    def _fold(self, per_rank: Sequence[Sequence[WorkerDigest | DigestSlice]]) -> Fingerprint:
         """Per-worker digests folded per DP rank (TP workers of a rank combined) and overall."""
         ranks = []
         method = ""
         for rank_index, workers in enumerate(per_rank):
-            ordered = sorted(workers, key=lambda w: w["worker_rank"])
-            digests = [w["digest"] for w in ordered]
-            digest = digests[0] if len(digests) == 1 else hashlib.blake2b(
-                "".join(digests).encode(), digest_size=16).hexdigest()
-            ranks.append((int(ordered[0]["dp_rank"]) if ordered else rank_index, digest))
+            ordered = sorted(workers, key=lambda w: w.worker_rank)
+            digests = [w.digest for w in ordered]
+            digest = (
+                digests[0]
+                if len(digests) == 1
+                else hashlib.blake2b("".join(digests).encode(), digest_size=16).hexdigest()
+            )
+            ranks.append((ordered[0].dp_rank if ordered else rank_index, digest))
             if ordered:
-                method = ordered[0]["method"]
-                if "sampled_method" in ordered[0]:
-                    self.sampled_method = ordered[0]["sampled_method"]
-                    self.full_method = ordered[0]["full_method"]
+                first = ordered[0]
+                method = first.method
+                if isinstance(first, WorkerDigest):
+                    self.sampled_method = first.sampled_method
+                    self.full_method = first.full_method
         overall = hashlib.blake2b("|".join(d for _, d in ranks).encode(), digest_size=16).hexdigest()
         return Fingerprint(method=method, digest=overall, ranks=tuple(ranks))
 

@@ -3,7 +3,7 @@
 Runs in the `enginectl serve` process, on its event loop. Pure Python: no gRPC server, no
 vLLM; the engine is reached only through the `publish` callback given at construction.
 
-Rules (DESIGN §4):
+Rules (docs/architecture.md, "Weight versions"):
 - Nothing is declared at start: `declared=False`, no version, revision 0. Any non-empty
   UTF-8 string of at most 256 bytes without control characters is a version, "initial"
   and "default" included.
@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from enginectl.client.types import WeightSource
-from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
+from enginectl.common.vocabulary import WeightSource
+from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, out_of_range
 from enginectl.server.limits import MAX_REQUEST_ID_BYTES, MAX_VERSION_BYTES, LabelProblem, label_problem
 
 
@@ -163,7 +163,8 @@ class WeightVersionLedger:
             if self._state.last_failure is not None:
                 failure = self._state.last_failure
                 raise ControlPlaneError(
-                    grpc.StatusCode.FAILED_PRECONDITION, Reason.PARTIAL_UPDATE,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Reason.PARTIAL_UPDATE,
                     f"the last update ({failure.operation}) failed part-way ({failure.cause}): the weights may be "
                     "mixed, so no version is declared over them; load weights again",
                     metadata={"cause": failure.cause, "operation": failure.operation},
@@ -217,27 +218,49 @@ class WeightVersionLedger:
             )
 
     async def record_update(
-        self, version: str | None, source: WeightSource, fingerprint: Fingerprint | None,
-        *, published: bool = False,
+        self,
+        version: str | None,
+        source: WeightSource,
+        fingerprint: Fingerprint | None,
+        *,
+        published: bool = False,
     ) -> VersionState:
         """A successful update, with the write lock held: declare `version` (or become
         undeclared without one: new weights never keep an old label); clears last_failure.
         `published`: the caller already handed `version` to the engine."""
         assert self._write_lock.locked(), "record_update needs the write lock"
         if version is None:
-            return self._commit(declared=False, version=None, source=WeightSource.UNSPECIFIED,
-                                declare_time=None, fingerprint=None, last_failure=None)
+            return self._commit(
+                declared=False,
+                version=None,
+                source=WeightSource.UNSPECIFIED,
+                declare_time=None,
+                fingerprint=None,
+                last_failure=None,
+            )
         if self._publish is not None and not published:
             await self._publish(version)
-        return self._commit(declared=True, version=version, revision=self._state.revision + 1,
-                            source=source, declare_time=self._clock(), fingerprint=fingerprint,
-                            last_failure=None)
+        return self._commit(
+            declared=True,
+            version=version,
+            revision=self._state.revision + 1,
+            source=source,
+            declare_time=self._clock(),
+            fingerprint=fingerprint,
+            last_failure=None,
+        )
 
     def record_failure(self, failure: Failure) -> VersionState:
         """An update failed after it began writing (write lock held): undeclared, with why."""
         assert self._write_lock.locked(), "record_failure needs the write lock"
-        return self._commit(declared=False, version=None, source=WeightSource.UNSPECIFIED,
-                            declare_time=None, fingerprint=None, last_failure=failure)
+        return self._commit(
+            declared=False,
+            version=None,
+            source=WeightSource.UNSPECIFIED,
+            declare_time=None,
+            fingerprint=None,
+            last_failure=failure,
+        )
 
     def _commit(self, **changes: object) -> VersionState:
         change = self._state.change + 1
@@ -264,12 +287,12 @@ class WeightVersionLedger:
             last_change = self._state.change - 1
         else:
             if incarnation and incarnation != self._incarnation:
-                raise ControlPlaneError(
-                    grpc.StatusCode.OUT_OF_RANGE,
+                raise out_of_range(
                     Reason.INCARNATION_CHANGED,
                     f"incarnation {incarnation!r} is not this server's ({self._incarnation!r}): "
                     "it restarted and revisions count afresh; watch again without since_revision",
-                    metadata={"incarnation": self._incarnation, "current_revision": str(self._state.revision)},
+                    incarnation=self._incarnation,
+                    current_revision=str(self._state.revision),
                 )
             last_change = self._resume_point(since_revision)
         while True:
@@ -278,11 +301,11 @@ class WeightVersionLedger:
                 raise LedgerClosed(*self._close_cause)
             pending = [s for s in self._history if s.change > last_change]
             if pending and pending[0].change != last_change + 1:
-                raise ControlPlaneError(
-                    grpc.StatusCode.OUT_OF_RANGE,
+                raise out_of_range(
                     Reason.REVISION_COMPACTED,
                     "this watcher fell behind the history kept; re-read the current state",
-                    metadata={"oldest_revision": str(self._history[0].revision), "incarnation": self._incarnation},
+                    oldest_revision=str(self._history[0].revision),
+                    incarnation=self._incarnation,
                 )
             for state in pending:
                 yield state
@@ -293,23 +316,20 @@ class WeightVersionLedger:
     def _resume_point(self, since_revision: int) -> int:
         """The change counter after which a watch from `since_revision` starts."""
         if since_revision > self._state.revision:
-            raise ControlPlaneError(
-                grpc.StatusCode.OUT_OF_RANGE,
+            raise out_of_range(
                 Reason.REVISION_IN_FUTURE,
                 f"since_revision {since_revision} is ahead of the current revision "
                 f"{self._state.revision} (an earlier incarnation?)",
-                metadata={
-                    "current_revision": str(self._state.revision),
-                    "incarnation": self._incarnation,
-                },
+                current_revision=str(self._state.revision),
+                incarnation=self._incarnation,
             )
         oldest = self._history[0]
         if since_revision < oldest.revision:
-            raise ControlPlaneError(
-                grpc.StatusCode.OUT_OF_RANGE,
+            raise out_of_range(
                 Reason.REVISION_COMPACTED,
                 f"revision {since_revision} is older than the history kept",
-                metadata={"oldest_revision": str(oldest.revision), "incarnation": self._incarnation},
+                oldest_revision=str(oldest.revision),
+                incarnation=self._incarnation,
             )
         # Replay every state recorded after the last one at `since_revision`.
         return max((s.change for s in self._history if s.revision <= since_revision), default=oldest.change)
@@ -349,6 +369,4 @@ def _validate_request_id(request_id: str) -> None:
             raise ValueError(request_id)
         uuid.UUID(request_id)
     except ValueError:
-        raise invalid_field(
-            Reason.REQUEST_ID_INVALID, "request_id", "must be a UUID, e.g. from uuid4()"
-        ) from None
+        raise invalid_field(Reason.REQUEST_ID_INVALID, "request_id", "must be a UUID, e.g. from uuid4()") from None

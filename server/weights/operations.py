@@ -18,6 +18,7 @@ from google.longrunning import operations_pb2, operations_pb2_grpc
 from google.protobuf import any_pb2, empty_pb2
 from google.rpc import status_pb2
 
+from enginectl.contract.engine import Cause
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.limits import DEFAULT_WAIT_OPERATION_S, MAX_PAGE_SIZE, MAX_RETAINED
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
@@ -35,7 +36,7 @@ class UpdateOperation:
         # Set by cancel(); the update checks it before loading.
         self.cancel_requested = asyncio.Event()
         # Stops the update's workers (set by the update once its channels exist).
-        self.on_abort: Callable[[str, str], None] | None = None
+        self.on_abort: Callable[[Cause, str], None] | None = None
         # The error as raised, for calls that end with it (the tensor stream).
         self.failure: ControlPlaneError | None = None
 
@@ -49,13 +50,14 @@ class UpdateOperation:
             return
         self.cancel_requested.set()
         if self.on_abort is not None:
-            self.on_abort(Reason.UPDATE_CANCELLED, "CancelOperation")
+            self.on_abort(Cause.UPDATE_CANCELLED, "CancelOperation")
 
     def touch(self) -> None:
         self.metadata.update_time.FromNanoseconds(time.time_ns())
 
-    def finish(self, *, response: pb2.UpdateWeightsResponse | None = None,
-               error: status_pb2.Status | None = None) -> None:
+    def finish(
+        self, *, response: pb2.UpdateWeightsResponse | None = None, error: status_pb2.Status | None = None
+    ) -> None:
         self.response, self.error = response, error
         self.metadata.end_time.FromNanoseconds(time.time_ns())
         self.touch()
@@ -124,8 +126,11 @@ class OperationStore:
             raise invalid_field(Reason.OPERATION_NAME_INVALID, "name", 'must look like "operations/<id>"')
         op = self._ops.get(name)
         if op is None:
-            raise ControlPlaneError(grpc.StatusCode.NOT_FOUND, Reason.OPERATION_NOT_FOUND,
-                                    f"no operation {name!r} in this incarnation (or it was evicted)")
+            raise ControlPlaneError(
+                grpc.StatusCode.NOT_FOUND,
+                Reason.OPERATION_NOT_FOUND,
+                f"no operation {name!r} in this incarnation (or it was evicted)",
+            )
         return op
 
     def delete(self, name: str) -> None:
@@ -141,12 +146,14 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
     def __init__(self, store: OperationStore) -> None:
         self._store = store
 
-    async def GetOperation(self, request: operations_pb2.GetOperationRequest,
-                           context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
+    async def GetOperation(
+        self, request: operations_pb2.GetOperationRequest, context: grpc.aio.ServicerContext
+    ) -> operations_pb2.Operation:
         return self._store.get(request.name).proto()
 
-    async def ListOperations(self, request: operations_pb2.ListOperationsRequest,
-                             context: grpc.aio.ServicerContext) -> operations_pb2.ListOperationsResponse:
+    async def ListOperations(
+        self, request: operations_pb2.ListOperationsRequest, context: grpc.aio.ServicerContext
+    ) -> operations_pb2.ListOperationsResponse:
         if request.filter not in ("", "done=true", "done=false"):
             raise invalid_field(Reason.FILTER_INVALID, "filter", 'only "", "done=true" or "done=false"')
         if request.page_size < 0:
@@ -160,16 +167,19 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
             try:
                 start = int(request.page_token)
             except ValueError:
-                raise invalid_field(Reason.PAGE_TOKEN_INVALID, "page_token", "not a token from a previous page") from None
+                raise invalid_field(
+                    Reason.PAGE_TOKEN_INVALID, "page_token", "not a token from a previous page"
+                ) from None
         size = min(request.page_size or MAX_PAGE_SIZE, MAX_PAGE_SIZE)
-        page = ops[start:start + size]
+        page = ops[start : start + size]
         response = operations_pb2.ListOperationsResponse(operations=[op.proto() for op in page])
         if start + size < len(ops):
             response.next_page_token = str(start + size)
         return response
 
-    async def WaitOperation(self, request: operations_pb2.WaitOperationRequest,
-                            context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
+    async def WaitOperation(
+        self, request: operations_pb2.WaitOperationRequest, context: grpc.aio.ServicerContext
+    ) -> operations_pb2.Operation:
         op = self._store.get(request.name)
         timeout = DEFAULT_WAIT_OPERATION_S
         if request.HasField("timeout"):
@@ -185,16 +195,21 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
             pass  # AIP-151: return the operation as it is, not done yet
         return op.proto()
 
-    async def CancelOperation(self, request: operations_pb2.CancelOperationRequest,
-                              context: grpc.aio.ServicerContext) -> empty_pb2.Empty:
+    async def CancelOperation(
+        self, request: operations_pb2.CancelOperationRequest, context: grpc.aio.ServicerContext
+    ) -> empty_pb2.Empty:
         self._store.get(request.name).cancel()
         return empty_pb2.Empty()
 
-    async def DeleteOperation(self, request: operations_pb2.DeleteOperationRequest,
-                              context: grpc.aio.ServicerContext) -> empty_pb2.Empty:
+    async def DeleteOperation(
+        self, request: operations_pb2.DeleteOperationRequest, context: grpc.aio.ServicerContext
+    ) -> empty_pb2.Empty:
         op = self._store.get(request.name)
         if not op.done:
-            raise ControlPlaneError(grpc.StatusCode.FAILED_PRECONDITION, Reason.OPERATION_RUNNING,
-                                    f"{op.name} is still running; cancel it first")
+            raise ControlPlaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                Reason.OPERATION_RUNNING,
+                f"{op.name} is still running; cancel it first",
+            )
         self._store.delete(op.name)
         return empty_pb2.Empty()

@@ -1,7 +1,7 @@
 """WeightUpdateService servicer: proto <-> WeightUpdates.
 
 Runs in the `enginectl serve` process, on the control loop. Thin on purpose: the rules live
-in weight_updates.py; errors raised as ControlPlaneError become google.rpc.Status in the
+in updates.py and its neighbours; errors raised as ControlPlaneError become google.rpc.Status in the
 interceptor.
 """
 
@@ -15,20 +15,26 @@ from pathlib import Path
 import grpc
 from google.longrunning import operations_pb2
 
+from enginectl.contract.engine import Cause
 from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.interceptors import caller_authenticated
 from enginectl.server.limits import MAX_CHUNK_BYTES
-from enginectl.server.operations import UpdateOperation
-from enginectl.server.weight_updates import WeightUpdates, _Channels
+from enginectl.server.weights.channels import UpdateChannels
+from enginectl.server.weights.operations import UpdateOperation
+from enginectl.server.weights.updates import WeightUpdates
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
-WORKER_EXTENSION = "enginectl.worker.weights.EnginectlWorkerExtension"
+WORKER_EXTENSION = "enginectl.worker.weights.extension.EnginectlWorkerExtension"
 
 
 def add_weight_update_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
-        "--allow-weights-from", dest="allow_weights_from", action="append", type=Path, default=[],
+        "--allow-weights-from",
+        dest="allow_weights_from",
+        action="append",
+        type=Path,
+        default=[],
         metavar="DIR",
         help="A directory UpdateWeightsFromDisk may load from (repeatable). Real paths are "
         "checked, symlinks resolved. Default: the directory holding the served model.",
@@ -63,50 +69,58 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
     @property
     def updates(self) -> WeightUpdates:
         if self._updates is None:
-            raise ControlPlaneError(grpc.StatusCode.UNIMPLEMENTED, Reason.NOT_IMPLEMENTED,
-                                    "this server has no engine")
+            raise ControlPlaneError(grpc.StatusCode.UNIMPLEMENTED, Reason.NOT_IMPLEMENTED, "this server has no engine")
         return self._updates
 
-    async def GetServerInfo(self, request: pb2.GetServerInfoRequest,
-                            context: grpc.aio.ServicerContext) -> pb2.GetServerInfoResponse:
+    async def GetServerInfo(
+        self, request: pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.GetServerInfoResponse:
         if self._info.auth_required and not caller_authenticated.get():
             return self._public_info
         return self._info
 
-    async def PauseGeneration(self, request: pb2.PauseGenerationRequest,
-                              context: grpc.aio.ServicerContext) -> pb2.PauseGenerationResponse:
+    async def PauseGeneration(
+        self, request: pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.PauseGenerationResponse:
         return await self.updates.pause(request)
 
-    async def ResumeGeneration(self, request: pb2.ResumeGenerationRequest,
-                               context: grpc.aio.ServicerContext) -> pb2.ResumeGenerationResponse:
+    async def ResumeGeneration(
+        self, request: pb2.ResumeGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.ResumeGenerationResponse:
         return await self.updates.resume(request)
 
-    async def GetGenerationState(self, request: pb2.GetGenerationStateRequest,
-                                 context: grpc.aio.ServicerContext) -> pb2.GetGenerationStateResponse:
+    async def GetGenerationState(
+        self, request: pb2.GetGenerationStateRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.GetGenerationStateResponse:
         return pb2.GetGenerationStateResponse(state=await self.updates.generation_state())
 
-    async def UpdateWeightsFromDisk(self, request: pb2.UpdateWeightsFromDiskRequest,
-                                    context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
+    async def UpdateWeightsFromDisk(
+        self, request: pb2.UpdateWeightsFromDiskRequest, context: grpc.aio.ServicerContext
+    ) -> operations_pb2.Operation:
         updates = self.updates
         op, _ = await updates.start(await asyncio.to_thread(updates.plan_disk, request))
         return op.proto()
 
-    async def InitWeightsUpdateGroup(self, request: pb2.InitWeightsUpdateGroupRequest,
-                                     context: grpc.aio.ServicerContext) -> pb2.InitWeightsUpdateGroupResponse:
+    async def InitWeightsUpdateGroup(
+        self, request: pb2.InitWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.InitWeightsUpdateGroupResponse:
         return pb2.InitWeightsUpdateGroupResponse(group=await self.updates.init_group(request))
 
-    async def DestroyWeightsUpdateGroup(self, request: pb2.DestroyWeightsUpdateGroupRequest,
-                                        context: grpc.aio.ServicerContext) -> pb2.DestroyWeightsUpdateGroupResponse:
+    async def DestroyWeightsUpdateGroup(
+        self, request: pb2.DestroyWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.DestroyWeightsUpdateGroupResponse:
         return pb2.DestroyWeightsUpdateGroupResponse(found=await self.updates.destroy_group(request))
 
-    async def UpdateWeightsFromDistributed(self, request: pb2.UpdateWeightsFromDistributedRequest,
-                                           context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
+    async def UpdateWeightsFromDistributed(
+        self, request: pb2.UpdateWeightsFromDistributedRequest, context: grpc.aio.ServicerContext
+    ) -> operations_pb2.Operation:
         updates = self.updates
         op, _ = await updates.start(updates.plan_distributed(request))
         return op.proto()
 
-    async def UpdateWeightsFromTensors(self, request_iterator: AsyncIterator[pb2.UpdateWeightsFromTensorsRequest],
-                                       context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
+    async def UpdateWeightsFromTensors(
+        self, request_iterator: AsyncIterator[pb2.UpdateWeightsFromTensorsRequest], context: grpc.aio.ServicerContext
+    ) -> operations_pb2.Operation:
         updates = self.updates
         messages = request_iterator.__aiter__()
         try:
@@ -114,15 +128,18 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
         except StopAsyncIteration:
             first = None
         if first is None or first.WhichOneof("payload") != "header":
-            raise ControlPlaneError(grpc.StatusCode.INVALID_ARGUMENT, Reason.HEADER_REQUIRED,
-                                    "the first message must be a header (tensor specs, version, options)")
+            raise ControlPlaneError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                Reason.HEADER_REQUIRED,
+                "the first message must be a header (tensor specs, version, options)",
+            )
         plan = updates.plan_tensors(first.header)
         total = plan.bytes_total
         fed = asyncio.Event()
         broken = asyncio.Event()  # the call was cancelled: the client went away
-        fed_channels: list[_Channels] = []
+        fed_channels: list[UpdateChannels] = []
 
-        async def feed(channels: _Channels, op: UpdateOperation) -> None:
+        async def feed(channels: UpdateChannels, op: UpdateOperation) -> None:
             fed_channels.append(channels)
             received = 0
             try:
@@ -130,32 +147,38 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
                     if channels.aborted is not None:
                         break
                     if message.WhichOneof("payload") != "chunk":
-                        channels.abort(Reason.HEADER_REQUIRED, "a second header: every message after the first is a chunk")
+                        channels.abort(
+                            Cause.HEADER_REQUIRED, "a second header: every message after the first is a chunk"
+                        )
                         break
                     data, offset = message.chunk.data, message.chunk.offset
                     if not data or len(data) > MAX_CHUNK_BYTES:
-                        channels.abort(Reason.CHUNK_TOO_LARGE, f"a chunk holds 1..{MAX_CHUNK_BYTES} bytes; got {len(data)}")
+                        channels.abort(
+                            Cause.CHUNK_TOO_LARGE, f"a chunk holds 1..{MAX_CHUNK_BYTES} bytes; got {len(data)}"
+                        )
                         break
                     if offset != received:
-                        channels.abort(Reason.CHUNK_OUT_OF_ORDER, f"chunk offset {offset}, expected {received}")
+                        channels.abort(Cause.CHUNK_OUT_OF_ORDER, f"chunk offset {offset}, expected {received}")
                         break
                     if received + len(data) > total:
-                        channels.abort(Reason.DATA_SIZE_MISMATCH,
-                                       f"{received + len(data)} bytes sent; the header's tensors hold {total}")
+                        channels.abort(
+                            Cause.DATA_SIZE_MISMATCH,
+                            f"{received + len(data)} bytes sent; the header's tensors hold {total}",
+                        )
                         break
                     await channels.send_chunk(offset, data)
                     received += len(data)
                 else:
                     if received < total and not await _broke(broken):
-                        channels.abort(Reason.DATA_SIZE_MISMATCH,
-                                       f"the client half-closed after {received} of {total} bytes")
+                        channels.abort(
+                            Cause.DATA_SIZE_MISMATCH, f"the client half-closed after {received} of {total} bytes"
+                        )
                     elif received < total:
-                        channels.abort(Reason.STREAM_BROKEN,
-                                       f"the client went away after {received} of {total} bytes")
+                        channels.abort(Cause.STREAM_BROKEN, f"the client went away after {received} of {total} bytes")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the call broke under us
-                channels.abort(Reason.STREAM_BROKEN, f"the stream broke: {type(exc).__name__}")
+                channels.abort(Cause.STREAM_BROKEN, f"the stream broke: {type(exc).__name__}")
             finally:
                 fed.set()
 
@@ -163,8 +186,11 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
         store = updates.operations
         if started:
             try:
-                waiters = {asyncio.ensure_future(fed.wait()), asyncio.ensure_future(op.finished.wait()),
-                           asyncio.ensure_future(store.closing.wait())}
+                waiters = {
+                    asyncio.ensure_future(fed.wait()),
+                    asyncio.ensure_future(op.finished.wait()),
+                    asyncio.ensure_future(store.closing.wait()),
+                }
                 _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
                 for waiter in pending:
                     waiter.cancel()
@@ -172,7 +198,7 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
                     await store.wait(op, None)  # the update is failing: the call ends with its error
             except asyncio.CancelledError:
                 broken.set()
-                updates.abort(op, Reason.STREAM_BROKEN, "the client cancelled the stream or went away")
+                updates.abort(op, Cause.STREAM_BROKEN, "the client cancelled the stream or went away")
                 raise
         if op.done and op.failure is not None:
             raise op.failure

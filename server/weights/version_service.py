@@ -13,15 +13,19 @@ import grpc
 from google.protobuf import timestamp_pb2
 
 from enginectl.server.errors import ControlPlaneError, Reason
-from enginectl.server.ledger import Fingerprint, LedgerClosed, VersionState, WeightVersionLedger
+from enginectl.server.weights.ledger import Fingerprint, LedgerClosed, VersionState, WeightVersionLedger
 from enginectl.weights.v1 import (
     weight_version_pb2 as wv_pb2,
+)
+from enginectl.weights.v1 import (
     weight_version_service_pb2 as pb2,
+)
+from enginectl.weights.v1 import (
     weight_version_service_pb2_grpc as pb2_grpc,
 )
 
 if TYPE_CHECKING:
-    from enginectl.server.weight_updates import WeightUpdates
+    from enginectl.server.weights.updates import WeightUpdates
 
 
 def weight_version_proto(state: VersionState) -> wv_pb2.WeightVersion:
@@ -54,7 +58,8 @@ def weight_version_proto(state: VersionState) -> wv_pb2.WeightVersion:
 
 def fingerprint_proto(fingerprint: Fingerprint) -> wv_pb2.WeightFingerprint:
     return wv_pb2.WeightFingerprint(
-        method=fingerprint.method, digest=fingerprint.digest,
+        method=fingerprint.method,
+        digest=fingerprint.digest,
         ranks=[wv_pb2.RankFingerprint(dp_rank=rank, digest=digest) for rank, digest in fingerprint.ranks],
     )
 
@@ -67,7 +72,8 @@ class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
         self._updates = updates
         # GetWeightVersion is the hot read: build its answer once per state, not per call.
         self._answer: tuple[VersionState | None, pb2.GetWeightVersionResponse] = (
-            None, pb2.GetWeightVersionResponse(),
+            None,
+            pb2.GetWeightVersionResponse(),
         )
 
     async def GetWeightVersion(
@@ -81,9 +87,7 @@ class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
     async def SetWeightVersion(
         self, request: pb2.SetWeightVersionRequest, context: grpc.aio.ServicerContext
     ) -> pb2.SetWeightVersionResponse:
-        state = await self._ledger.declare(
-            request.version, etag=request.etag, request_id=request.request_id
-        )
+        state = await self._ledger.declare(request.version, etag=request.etag, request_id=request.request_id)
         return pb2.SetWeightVersionResponse(weight_version=weight_version_proto(state))
 
     async def WatchWeightVersion(
@@ -110,9 +114,12 @@ class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
                 rank_verdict = pb2.VERIFY_VERDICT_UNDECLARED
             else:
                 rank_verdict = pb2.VERIFY_VERDICT_MATCH if before == digest else pb2.VERIFY_VERDICT_DRIFTED
-            ranks.append(pb2.RankVerification(dp_rank=rank, verdict=rank_verdict, recorded_digest=before,
-                                              current_digest=digest))
+            ranks.append(
+                pb2.RankVerification(dp_rank=rank, verdict=rank_verdict, recorded_digest=before, current_digest=digest)
+            )
         return pb2.VerifyWeightsResponse(
-            verdict=verdict, method=current.method, ranks=ranks,
+            verdict=verdict,
+            method=current.method,
+            ranks=ranks,
             weight_version=weight_version_proto(self._ledger.state),
         )

@@ -1,8 +1,10 @@
 """Fingerprints of the weights a vLLM worker holds, and the rule of who may touch them.
 
 Runs INSIDE every vLLM worker process, mixed into the worker by `EnginectlWorkerExtension`
-(worker/weights.py); the `enginectl serve` process reaches these methods through
-`collective_rpc` on every EngineCore (server/fingerprints.py drives them).
+(worker/weights/extension.py); the `enginectl serve` process reaches these methods through
+`collective_rpc` on every EngineCore (server/weights/fingerprints.py drives them). Their names
+and answers are the engine contract's (contract/engine.py: WorkerRpc, WorkerDigest,
+DigestSlice).
 
 Who may touch the weights, and when (README "Threads and the weights"):
 - The model's parameters and kernels (including the CPU build's packed linear kernels) are
@@ -32,6 +34,9 @@ from typing import Any
 
 import torch
 
+from enginectl.contract.engine import DigestJob, DigestSlice, WorkerDigest, wire
+from enginectl.worker.weights.ranks import dp_rank
+
 SAMPLE_ELEMENTS = 256  # per tensor, in the default (sampled) fingerprint
 SLICE_BYTES = 32 << 20  # of the full digest per round trip (~5 ms at CRC32's ~7 GB/s here)
 SLICE_SECONDS = 0.008  # a slice also stops after this long, whatever its byte count
@@ -54,8 +59,9 @@ class _WeightAccess:
         if self._owner is None:
             self._owner = me  # the first RPC names vLLM's worker RPC thread
         if me != self._owner:
-            raise WeightAccessError(f"{what}: weights touched from thread {threading.current_thread().name}, "
-                                    "not the worker's RPC thread")
+            raise WeightAccessError(
+                f"{what}: weights touched from thread {threading.current_thread().name}, not the worker's RPC thread"
+            )
         if self._busy:
             raise WeightAccessError(f"{what}: overlaps another access to the weights")
         self._busy = True
@@ -99,7 +105,7 @@ class _FullDigest:
             if self._offset == 0:
                 self._digest.update(_header(name, tensor))
             end = min(len(data), self._offset + max(budget, 0))
-            self._crc = zlib.crc32(data[self._offset:end], self._crc)
+            self._crc = zlib.crc32(data[self._offset : end], self._crc)
             budget -= end - self._offset
             self._offset = end
             if self._offset < len(data):
@@ -142,10 +148,9 @@ class FingerprintMixin:
             state = self._enginectl_fingerprint_state = _FingerprintState()
         return state
 
-    def _enginectl_worker_ids(self) -> dict[str, int]:
-        parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
-        dp_rank = int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank) or 0)
-        return {"dp_rank": dp_rank, "worker_rank": int(self.rank)}  # type: ignore[attr-defined]
+    def _enginectl_worker_ids(self) -> tuple[int, int]:
+        """(dp_rank, worker_rank) of this worker."""
+        return dp_rank(self), int(self.rank)  # type: ignore[attr-defined]
 
     def enginectl_weights_changing(self) -> None:
         """Called (under the guard) when enginectl starts writing weights: baselines of the old
@@ -154,14 +159,14 @@ class FingerprintMixin:
         state.epoch += 1
         state.verify.clear()
 
-    def enginectl_fingerprint(self) -> dict[str, Any]:
+    def enginectl_fingerprint(self) -> Any:
         """The sampled digest of the weights in memory now (milliseconds). Full digests are
         taken in slices (`enginectl_full_digest`). Names both methods."""
         with weight_access(self, "fingerprint"):
             digest, probes = _sampled_digest(self.model_runner.get_model())  # type: ignore[attr-defined]
         return self._enginectl_digest_answer(digest, probes)
 
-    def enginectl_declare_fingerprint(self, token: str) -> dict[str, Any]:
+    def enginectl_declare_fingerprint(self, token: str) -> Any:
         """At a declaration: the sampled digest now (milliseconds), and a full digest recorded
         under `token` for VerifyWeights(full). The full one is taken in slices afterwards
         (`enginectl_full_digest`), unless the weights are the ones the last complete baseline
@@ -171,48 +176,54 @@ class FingerprintMixin:
             digest, probes = _sampled_digest(model)
             state = self._enginectl_fingerprints()
             last = state.baseline
-            if last is not None and last.job.result is not None and last.epoch == state.epoch \
-                    and last.sampled == digest:
+            if (
+                last is not None
+                and last.job.result is not None
+                and last.epoch == state.epoch
+                and last.sampled == digest
+            ):
                 state.baseline = _Baseline(token, state.epoch, digest, last.job)
             else:
                 state.baseline = _Baseline(token, state.epoch, digest, _FullDigest(model))
         return self._enginectl_digest_answer(digest, probes)
 
-    def enginectl_full_digest(self, job: str, token: str, budget_bytes: int = SLICE_BYTES) -> dict[str, Any]:
-        """One slice of a full digest. `job` "baseline": the digest of the declaration `token`
-        ("superseded" once another declaration replaced it, or the weights changed); "verify":
-        the weights now, a job named by `token` started on its first slice. Returns
-        {"done", "digest" (when done), "superseded", "method", dp_rank, worker_rank}."""
+    def enginectl_full_digest(self, job: str, token: str, budget_bytes: int = SLICE_BYTES) -> Any:
+        """One slice of a full digest (a DigestSlice). `job` BASELINE: the digest of the
+        declaration `token` (superseded once another declaration replaced it, or the weights
+        changed); VERIFY: the weights now, a job named by `token` started on its first slice."""
+        kind = DigestJob(job)
+        dp_rank, worker_rank = self._enginectl_worker_ids()
         with weight_access(self, "full digest"):
             state = self._enginectl_fingerprints()
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
-            answer = dict(self._enginectl_worker_ids(), done=True, digest="", superseded=False, method="")
-            if job == "baseline":
+            if kind == DigestJob.BASELINE:
                 baseline = state.baseline
                 if baseline is None or baseline.token != token or baseline.epoch != state.epoch:
-                    answer["superseded"] = True
-                    return answer
+                    return wire(DigestSlice(dp_rank, worker_rank, done=True, superseded=True))
                 digest_job = baseline.job
-            elif job == "verify":
+            else:
                 digest_job = state.verify.setdefault(token, _FullDigest(model))
                 while len(state.verify) > 4:  # abandoned jobs (a caller that went away)
                     state.verify.pop(next(iter(state.verify)))
-            else:
-                raise ValueError(f"unknown full-digest job {job!r}")
             if not digest_job.advance(int(budget_bytes), SLICE_SECONDS):
-                answer["done"] = False
-                return answer
-            if job == "verify":
+                return wire(DigestSlice(dp_rank, worker_rank, done=False))
+            if kind == DigestJob.VERIFY:
                 state.verify.pop(token, None)
-            answer["digest"] = str(digest_job.result)
-            answer["method"] = _methods(_count_probes(model))[1]
-            return answer
+            return wire(
+                DigestSlice(
+                    dp_rank,
+                    worker_rank,
+                    done=True,
+                    digest=str(digest_job.result),
+                    method=_methods(_count_probes(model))[1],
+                )
+            )
 
-    def _enginectl_digest_answer(self, digest: str, probes: int) -> dict[str, Any]:
-        """A sampled digest, naming both methods (GetServerInfo reports them)."""
+    def _enginectl_digest_answer(self, digest: str, probes: int) -> Any:
+        """A sampled digest (a WorkerDigest), naming both methods (GetServerInfo reports them)."""
         sampled_method, full_method = _methods(probes)
-        return dict(self._enginectl_worker_ids(), digest=digest, method=sampled_method,
-                    sampled_method=sampled_method, full_method=full_method)
+        dp_rank, worker_rank = self._enginectl_worker_ids()
+        return wire(WorkerDigest(dp_rank, worker_rank, digest, sampled_method, sampled_method, full_method))
 
 
 def _methods(probes: int) -> tuple[str, str]:
@@ -221,8 +232,11 @@ def _methods(probes: int) -> tuple[str, str]:
 
 
 def _hashable_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
-    return [(name, tensor) for name, tensor in sorted(model.state_dict(keep_vars=False).items())
-            if tensor.numel() > 0 and not tensor.is_meta]
+    return [
+        (name, tensor)
+        for name, tensor in sorted(model.state_dict(keep_vars=False).items())
+        if tensor.numel() > 0 and not tensor.is_meta
+    ]
 
 
 def _header(name: str, tensor: torch.Tensor) -> bytes:

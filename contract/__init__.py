@@ -1,0 +1,1 @@
+"""The server <-> engine contract (see contract/engine.py and docs/architecture.md)."""

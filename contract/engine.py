@@ -1,0 +1,279 @@
+"""The contract between the `enginectl serve` process and the code it runs inside vLLM.
+
+Torch-free and gRPC-free: imported by the server (server/engine.py, the only caller) and by
+the engine side (worker/), so both sides name the same things the same way. It holds:
+
+- every name the server calls: vLLM's own EngineCore utilities it uses, enginectl's
+  EngineCore utilities (attached to vLLM's EngineCore class) and enginectl's worker RPCs
+  (methods of the worker extension, reached through `collective_rpc`);
+- a typed struct for what each one takes and returns. On the wire they are plain msgpack
+  maps and lists (vLLM serialises utility arguments and results itself): `wire()` turns a
+  struct into builtins on the sending side, `read()` turns builtins back into the struct,
+  checking every field, on the receiving side;
+- the failure causes the engine side reports, and the per-start engine configuration.
+
+ZMQ frame layouts live next door (contract/frames.py for weight updates, contract/fpm.py for
+metrics samples); the dtype table is common/dtypes.py.
+docs/architecture.md ("The engine contract") shows who calls what, and on which thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Final, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+def wire(value: msgspec.Struct) -> Any:
+    """`value` as msgpack-able builtins (a map, or a list for array-like structs)."""
+    return msgspec.to_builtins(value)
+
+
+def read(kind: type[T], value: Any) -> T:
+    """The struct `kind` from builtins received from the other side (checked field by field)."""
+    return msgspec.convert(value, kind)
+
+
+# --- names ---------------------------------------------------------------------------------
+
+
+class VllmUtility(str, enum.Enum):
+    """vLLM's own EngineCore utilities the server calls on every rank."""
+
+    PAUSE_SCHEDULER = "pause_scheduler"
+    RESUME_SCHEDULER = "resume_scheduler"
+    IS_SCHEDULER_PAUSED = "is_scheduler_paused"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    SET_WEIGHT_VERSION = "set_weight_version"
+    COLLECTIVE_RPC = "collective_rpc"
+
+
+class Utility(str, enum.Enum):
+    """enginectl's EngineCore utilities (worker/engine_core.py and worker/fpm/engine_core.py
+    attach them to vLLM's EngineCore); they run on the engine thread, between steps."""
+
+    GENERATION_STATE = "enginectl_generation_state"
+    FINISH_UPDATE = "enginectl_finish_update"
+    SET_WORKER_IDENTITY = "enginectl_set_worker_identity"
+    GET_WORKER_IDENTITY = "enginectl_get_worker_identity"
+
+
+class WorkerRpc(str, enum.Enum):
+    """Methods of enginectl's worker extension (worker/weights/extension.py), called on every
+    worker through vLLM's `collective_rpc`, on the worker's RPC thread."""
+
+    LOAD = "enginectl_load"
+    INIT_GROUP = "enginectl_init_group"
+    DESTROY_GROUP = "enginectl_destroy_group"
+    FINGERPRINT = "enginectl_fingerprint"
+    DECLARE_FINGERPRINT = "enginectl_declare_fingerprint"
+    FULL_DIGEST = "enginectl_full_digest"
+
+
+# --- failure causes ------------------------------------------------------------------------
+
+
+class Cause(str, enum.Enum):
+    """Why the engine side stopped an update (the operation's error reason; a partial update
+    carries it in its metadata). The values are stable reasons of the public API."""
+
+    UPDATE_TIMEOUT = "UPDATE_TIMEOUT"
+    GROUP_TIMEOUT = "GROUP_TIMEOUT"
+    UPDATE_CANCELLED = "UPDATE_CANCELLED"
+    STREAM_BROKEN = "STREAM_BROKEN"
+    DATA_SIZE_MISMATCH = "DATA_SIZE_MISMATCH"
+    CHUNK_OUT_OF_ORDER = "CHUNK_OUT_OF_ORDER"
+    CHUNK_TOO_LARGE = "CHUNK_TOO_LARGE"
+    HEADER_REQUIRED = "HEADER_REQUIRED"
+    GROUP_NOT_FOUND = "GROUP_NOT_FOUND"
+    GROUP_BROKEN = "GROUP_BROKEN"
+    ENGINE_DEAD = "ENGINE_DEAD"
+    ETAG_MISMATCH = "ETAG_MISMATCH"
+    LOAD_FAILED = "LOAD_FAILED"
+
+
+class RankFailure(str, enum.Enum):
+    """Why one rank gave no answer to a per-rank call (server/engine.py `_call_each`)."""
+
+    RANK_TIMEOUT = "RANK_TIMEOUT"
+    RANK_ERROR = "RANK_ERROR"
+    ENGINE_DEAD = "ENGINE_DEAD"
+
+
+# --- generation state (Utility.GENERATION_STATE, FINISH_UPDATE) ----------------------------
+
+
+class RankGenerationState(msgspec.Struct, frozen=True):
+    """One DP rank's pause state and request counts, read between two steps."""
+
+    dp_rank: int
+    paused: bool
+    running: int = 0
+    waiting: int = 0
+
+
+class FinishUpdate(msgspec.Struct, frozen=True):
+    """The end of a successful update in one round trip per rank: reset the prefix cache,
+    fingerprint the weights (the workers keep the full digest under `fingerprint_token`; ""
+    for none), stamp `version` on outputs (None: leave it), resume generation."""
+
+    reset_cache: bool
+    fingerprint_token: str
+    version: str | None
+    resume: bool
+
+
+# --- loading (WorkerRpc.LOAD) ----------------------------------------------------------------
+
+
+class Source(str, enum.Enum):
+    DISK = "disk"
+    TENSORS = "tensors"
+    DISTRIBUTED = "distributed"
+
+
+class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
+    """One tensor to load: its checkpoint name, dtype name (common/dtypes.py) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class LoadPlan(msgspec.Struct, frozen=True):
+    """What one update asks of every worker."""
+
+    source: Source
+    files: tuple[str, ...]  # DISK: the safetensors files, in order
+    tensors: tuple[TensorSpec, ...]  # every tensor, in the order they arrive
+    group: str  # DISTRIBUTED: the update group
+    data_endpoints: tuple[str, ...]  # per DP rank: stream chunks and abort frames (frames.py)
+    progress_endpoint: str  # every worker reports progress here
+    deadline: float  # time.time() based
+
+
+class LoadError(msgspec.Struct, frozen=True, array_like=True):
+    cause: Cause
+    message: str
+
+
+class LoadResult(msgspec.Struct, frozen=True):
+    """One worker's answer to LOAD (it never raises: a failure is `error`)."""
+
+    dp_rank: int
+    worker_rank: int
+    tensors_loaded: int
+    bytes_loaded: int
+    weights_modified: bool  # a tensor was handed to vLLM: the weights may be mixed
+    duration: float
+    error: LoadError | None = None
+
+
+# --- update groups (WorkerRpc.INIT_GROUP, DESTROY_GROUP) -----------------------------------
+
+
+class Backend(str, enum.Enum):
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class GroupSpec(msgspec.Struct, frozen=True):
+    """A private process group with the trainer (rank 0); this engine's workers take ranks
+    rank_offset.. in worker order."""
+
+    name: str
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    timeout: float  # seconds: the rendezvous and every collective
+    backend: Backend
+
+
+class GroupJoined(msgspec.Struct, frozen=True):
+    """A worker's answer to INIT_GROUP: the rank it took, or why it could not join."""
+
+    dp_rank: int
+    rank: int
+    failure: str = ""  # "", or Cause.GROUP_TIMEOUT / "GROUP_INIT_FAILED"
+    message: str = ""
+
+
+# --- fingerprints (WorkerRpc.FINGERPRINT, DECLARE_FINGERPRINT, FULL_DIGEST) -----------------
+
+
+class WorkerDigest(msgspec.Struct, frozen=True):
+    """A worker's sampled digest of the weights, naming both methods it uses."""
+
+    dp_rank: int
+    worker_rank: int
+    digest: str
+    method: str
+    sampled_method: str
+    full_method: str
+
+
+class DigestJob(str, enum.Enum):
+    BASELINE = "baseline"  # the full digest of the declaration named by the token
+    VERIFY = "verify"  # the full digest of the weights now (a job named by the token)
+
+
+class DigestSlice(msgspec.Struct, frozen=True):
+    """A worker's answer to one slice of a full digest."""
+
+    dp_rank: int
+    worker_rank: int
+    done: bool
+    digest: str = ""  # when done
+    superseded: bool = False  # BASELINE: another declaration or a write replaced it
+    method: str = ""
+
+
+# --- worker identity (Utility.SET_WORKER_IDENTITY, GET_WORKER_IDENTITY) ---------------------
+
+
+class RankIdentity(msgspec.Struct, frozen=True):
+    """The identity one rank stamps on its samples (generation 0: none was ever set)."""
+
+    dp_rank: int
+    worker_id: str
+    identity_generation: int
+
+
+# --- per-start engine configuration ---------------------------------------------------------
+
+# `additional_config[CONFIG_KEY]` is where a user (or `enginectl serve`) puts it; serve moves it
+# into the environment variable ENGINE_CONFIG_ENV before the EngineCores start, because vLLM
+# hashes `additional_config` into its compile-cache key and these values change every start.
+CONFIG_KEY: Final = "enginectl"
+ENGINE_CONFIG_ENV: Final = "ENGINECTL_ENGINE_CONFIG"
+
+
+class EngineConfig(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What `enginectl serve` hands every EngineCore at start."""
+
+    fpm_endpoint: str = ""  # the relay's ZMQ endpoint; "" publishes nothing
+    worker_id: str = ""  # the identity every rank starts with (generation 1); "" for none
+    await_worker_id: bool = False  # serving waits for SetWorkerIdentity
+    heartbeat_interval_s: float = 0.0  # 0: the publisher's default
+    incarnation: str = ""  # this start of the server; "" lets the publisher pick one
+
+    def to_env(self) -> None:
+        """Hand this config to EngineCores started from now on (they inherit the environment)."""
+        os.environ[ENGINE_CONFIG_ENV] = json.dumps(wire(self))
+
+    @classmethod
+    def load(cls, additional_config: Any) -> EngineConfig:
+        """Inside an EngineCore: from ENGINE_CONFIG_ENV, else `additional_config[CONFIG_KEY]`."""
+        section: Any = None
+        if os.environ.get(ENGINE_CONFIG_ENV):
+            section = json.loads(os.environ[ENGINE_CONFIG_ENV])
+        elif isinstance(additional_config, Mapping):
+            section = additional_config.get(CONFIG_KEY)
+        return read(cls, {key: value for key, value in dict(section or {}).items() if value is not None})

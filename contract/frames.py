@@ -1,0 +1,69 @@
+"""ZMQ frames of a weight update, encoded and decoded in this one place.
+
+Per update, the server binds (server/weights/channels.py) and every worker connects
+(worker/weights/channel.py):
+- a data channel per DP rank (server PUSH -> worker PULL) carrying `chunk` frames (the tensor
+  stream's bytes, at an offset into the concatenated tensors) and `abort` frames (stop now,
+  with a cause: CancelOperation, the update's timeout, a broken client stream);
+- one progress channel (workers PUSH -> server PULL) carrying (dp_rank, tensors, bytes) of
+  what a worker has loaded so far.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Final
+
+from enginectl.contract.engine import Cause
+
+CHUNK: Final = b"chunk"
+ABORT: Final = b"abort"
+_OFFSET = struct.Struct("<Q")
+_PROGRESS = struct.Struct("<iIQ")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    offset: int
+    data: memoryview
+
+
+@dataclass(frozen=True)
+class Abort:
+    cause: Cause
+    message: str
+
+
+def chunk(offset: int, data: bytes | memoryview) -> list[Any]:
+    return [CHUNK, _OFFSET.pack(offset), data]
+
+
+def abort(cause: Cause, message: str) -> list[bytes]:
+    return [ABORT, cause.value.encode(), message.encode()]
+
+
+def read_data(frames: list[Any]) -> Chunk | Abort:
+    """A data-channel message (frames as zmq.Frame or bytes) as a Chunk or an Abort."""
+    kind = _bytes(frames[0])
+    if kind == ABORT:
+        return Abort(Cause(_bytes(frames[1]).decode()), _bytes(frames[2]).decode())
+    if kind != CHUNK:
+        raise ValueError(f"unknown data frame {kind[:16]!r}")
+    (offset,) = _OFFSET.unpack(_bytes(frames[1]))
+    data = frames[2].buffer if hasattr(frames[2], "buffer") else memoryview(frames[2])
+    return Chunk(offset, data)
+
+
+def progress(dp_rank: int, tensors: int, nbytes: int) -> bytes:
+    return _PROGRESS.pack(dp_rank, tensors, nbytes)
+
+
+def read_progress(frame: bytes) -> tuple[int, int, int]:
+    """(dp_rank, tensors loaded, bytes loaded)."""
+    dp_rank, tensors, nbytes = _PROGRESS.unpack(frame)
+    return int(dp_rank), int(tensors), int(nbytes)
+
+
+def _bytes(frame: Any) -> bytes:
+    return bytes(frame.buffer) if hasattr(frame, "buffer") else bytes(frame)

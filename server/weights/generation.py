@@ -1,0 +1,233 @@
+"""Generation: whether the engine generates, who paused it, and the update that holds it.
+
+Runs in the `enginectl serve` process, on the control loop. The pause state and the running
+update live together because every rule reads both: a caller's pause during an update only
+marks generation to stay paused after it; ABORT and WAIT need an idle engine; a partial
+update holds generation paused until an update succeeds or a forced resume
+(docs/architecture.md, "The update state machine").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+import grpc
+from google.protobuf import duration_pb2
+
+from enginectl.contract.engine import RankGenerationState
+from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
+from enginectl.server.limits import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
+from enginectl.server.weights.operations import UpdateOperation
+from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+PAUSE_MODES = {pb2.PAUSE_MODE_ABORT: "abort", pb2.PAUSE_MODE_WAIT: "wait", pb2.PAUSE_MODE_KEEP: "keep"}
+PAUSE_MODE_PROTO = {name: mode for mode, name in PAUSE_MODES.items()}
+
+
+class PauseEngine(Protocol):
+    """What Generation needs of the engine (server/engine.py EngineAdapter)."""
+
+    async def generation_state(self) -> list[RankGenerationState]: ...
+
+    async def is_paused(self) -> list[bool]: ...
+
+    async def pause(self, mode: str, clear_cache: bool) -> None: ...
+
+    async def resume(self) -> None: ...
+
+
+def duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+def parse_timeout(
+    field: str,
+    value: duration_pb2.Duration,
+    present: bool,
+    default: float = DEFAULT_TIMEOUT_S,
+    maximum: float = MAX_TIMEOUT_S,
+) -> float:
+    """A request's timeout in seconds: `default` when absent; TIMEOUT_INVALID unless in (0, maximum]."""
+    if not present:
+        return default
+    # Not ToTimedelta(): a Duration beyond timedelta's range (seconds near 2**63) raised
+    # OverflowError, which reached the caller as UNKNOWN.
+    seconds = value.ToNanoseconds() / 1e9
+    if seconds <= 0 or seconds > maximum:
+        raise invalid_field(Reason.TIMEOUT_INVALID, field, f"must be in (0, {maximum:.0f}s]")
+    return seconds
+
+
+def parse_pause_mode(field: str, mode: pb2.PauseMode.ValueType) -> str:
+    """ "abort", "wait" or "keep"; unset means KEEP, as the proto says."""
+    if mode == pb2.PAUSE_MODE_UNSPECIFIED:
+        return "keep"
+    if mode not in PAUSE_MODES:
+        raise invalid_field(Reason.PAUSE_MODE_INVALID, field, "must be ABORT, WAIT or KEEP")
+    return PAUSE_MODES[mode]
+
+
+class Generation:
+    """The pause state of every rank as this server knows it, and the running update."""
+
+    def __init__(self, engine: PauseEngine, ranks: int) -> None:
+        self._engine = engine
+        self.caller_paused = False  # PauseGeneration holds generation (until ResumeGeneration)
+        self.partial = False  # held paused after a partial update
+        self.mode = ""  # the mode of the pause in effect ("" when running)
+        self.pause_time: float | None = None
+        self.active: UpdateOperation | None = None  # the update running, or last run
+        self.utilities = False  # EngineCores have enginectl's utilities (WeightUpdates.prepare)
+        self.ranks_at_update_start = [RankGenerationState(r, False) for r in range(ranks)]
+
+    def updating(self) -> bool:
+        return self.active is not None and not self.active.done
+
+    def in_progress(self, why: str) -> ControlPlaneError:
+        """UPDATE_IN_PROGRESS, naming the running update."""
+        assert self.active is not None
+        return ControlPlaneError(
+            grpc.StatusCode.ABORTED,
+            Reason.UPDATE_IN_PROGRESS,
+            f"{self.active.name} is running; {why}",
+            metadata={"operation": self.active.name},
+        )
+
+    async def ranks(self) -> list[RankGenerationState]:
+        if self.utilities:
+            return await self._engine.generation_state()
+        # EngineCores without enginectl's utilities (the user's scheduler): less detail.
+        return [RankGenerationState(i, p) for i, p in enumerate(await self._engine.is_paused())]
+
+    async def state(self, known: list[RankGenerationState] | None = None) -> pb2.GenerationState:
+        """The state as GetGenerationState reports it; `known`: per-rank states the caller
+        already has (saves a round trip to every EngineCore)."""
+        if self.updating():
+            # The EngineCores are busy loading (they answer no utility until done): report
+            # what the update started from, paused.
+            ranks = [RankGenerationState(r.dp_rank, True, r.running, r.waiting) for r in self.ranks_at_update_start]
+        else:
+            ranks = known if known is not None else await self.ranks()
+        state = pb2.GenerationState(
+            paused=any(r.paused for r in ranks),
+            num_running_requests=sum(r.running for r in ranks),
+            num_waiting_requests=sum(r.waiting for r in ranks),
+            ranks=[
+                pb2.RankGenerationState(
+                    dp_rank=r.dp_rank, paused=r.paused, num_running_requests=r.running, num_waiting_requests=r.waiting
+                )
+                for r in ranks
+            ],
+        )
+        if state.paused:
+            if self.updating() and not self.caller_paused:
+                state.reason = pb2.PAUSE_REASON_UPDATE
+            elif self.partial:
+                state.reason = pb2.PAUSE_REASON_PARTIAL_UPDATE
+            elif self.caller_paused:
+                state.reason = pb2.PAUSE_REASON_CALLER
+            else:
+                state.reason = pb2.PAUSE_REASON_EXTERNAL
+            if self.mode:
+                state.mode = PAUSE_MODE_PROTO[self.mode]
+            if self.pause_time is not None:
+                state.pause_time.FromNanoseconds(int(self.pause_time * 1e9))
+        if self.updating():
+            assert self.active is not None
+            state.update_operation = self.active.name
+        return state
+
+    async def pause_engine(self, mode: str, clear_cache: bool, timeout: float | None) -> None:
+        """Pause every rank; with `timeout` (WAIT), asyncio.TimeoutError if requests did not drain."""
+        call = self._engine.pause(mode, clear_cache)
+        if timeout is None:
+            await call
+        else:
+            await asyncio.wait_for(call, timeout)
+        if self.pause_time is None:
+            self.pause_time = time.time()
+        self.mode = mode
+
+    async def resume_engine(self) -> None:
+        await self._engine.resume()
+        self.resumed()
+
+    def resumed(self) -> None:
+        """The engine resumed (here, or inside an update's last round trip)."""
+        self.pause_time = None
+        self.mode = ""
+
+    async def pause(self, request: pb2.PauseGenerationRequest) -> pb2.PauseGenerationResponse:
+        mode = parse_pause_mode("mode", request.mode)
+        wait_timeout = parse_timeout(
+            "wait_timeout", request.wait_timeout, request.HasField("wait_timeout"), default=MAX_TIMEOUT_S
+        )
+        if self.updating():
+            if mode != "keep":
+                raise self.in_progress(
+                    f"{mode.upper()} needs the engine, which is loading weights; "
+                    "KEEP marks generation to stay paused after the update"
+                )
+            self.caller_paused = True
+            return pb2.PauseGenerationResponse(state=await self.state(), was_paused=True)
+        before = await self.ranks()
+        was_paused = any(r.paused for r in before)
+        started = time.monotonic()
+        try:
+            await self.pause_engine(mode, request.clear_cache, wait_timeout if mode == "wait" else None)
+        except asyncio.TimeoutError:
+            if not was_paused:
+                await self.resume_engine()
+            raise ControlPlaneError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                Reason.PAUSE_TIMEOUT,
+                f"requests did not drain within {wait_timeout:.3f}s; generation was resumed"
+                if not was_paused
+                else f"requests did not drain within {wait_timeout:.3f}s",
+            ) from None
+        self.caller_paused = True
+        in_flight = sum(r.running + r.waiting for r in before)
+        # Right after the pause: KEEP holds the requests where they were, ABORT ended them (no
+        # round trip needed); WAIT took long enough for new arrivals to queue, so ask.
+        after = (
+            None
+            if mode == "wait"
+            else [
+                RankGenerationState(r.dp_rank, True, r.running, r.waiting)
+                if mode == "keep"
+                else RankGenerationState(r.dp_rank, True)
+                for r in before
+            ]
+        )
+        return pb2.PauseGenerationResponse(
+            state=await self.state(after),
+            was_paused=was_paused,
+            num_aborted_requests=in_flight if mode == "abort" else 0,
+            num_paused_requests=in_flight if mode == "keep" else 0,
+            pause_duration=duration(time.monotonic() - started),
+        )
+
+    async def resume(self, request: pb2.ResumeGenerationRequest) -> pb2.ResumeGenerationResponse:
+        if self.updating():
+            if self.caller_paused:
+                self.caller_paused = False  # the update resumes when it ends
+                return pb2.ResumeGenerationResponse(state=await self.state(), was_paused=True)
+            raise self.in_progress("generation resumes when the update ends")
+        if self.partial and not request.force:
+            raise ControlPlaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                Reason.PARTIAL_UPDATE,
+                "the last update failed part-way and the weights may be mixed: load weights again, "
+                "or resume with force=true to generate with them anyway",
+            )
+        ranks = await self.ranks()
+        was_paused = any(r.paused for r in ranks)
+        await self.resume_engine()
+        self.caller_paused = False
+        self.partial = False
+        after = [RankGenerationState(r.dp_rank, False, r.running, r.waiting) for r in ranks]
+        return pb2.ResumeGenerationResponse(state=await self.state(after), was_paused=was_paused)

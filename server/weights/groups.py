@@ -1,0 +1,204 @@
+"""UpdateGroups: the private process groups a trainer broadcasts weights through.
+
+Runs in the `enginectl serve` process, on the control loop. Each group is a gloo (or NCCL)
+group of the trainer (rank 0) and every worker of this engine, created by
+InitWeightsUpdateGroup and used by UpdateWeightsFromDistributed; vLLM's own groups are never
+touched (worker/weights/groups.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import grpc
+import structlog
+
+from enginectl.contract.engine import Backend, GroupJoined, GroupSpec, RankFailure
+from enginectl.server.engine import EngineInfo, RankOutcome
+from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
+from enginectl.server.limits import (
+    DEFAULT_GROUP_TIMEOUT_S,
+    MAX_GROUP_NAME_BYTES,
+    MAX_GROUP_TIMEOUT_S,
+    MAX_GROUPS,
+    MAX_WORLD_SIZE,
+)
+from enginectl.server.weights.generation import parse_timeout
+from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+log = structlog.get_logger("enginectl.groups")
+
+# Causes after which a group can not be trusted again: the server destroys it.
+BREAKING_CAUSES = frozenset({"GROUP_TIMEOUT", "STREAM_BROKEN", "UPDATE_CANCELLED", "GROUP_BROKEN"})
+
+
+class GroupEngine(Protocol):
+    """What UpdateGroups needs of the engine (server/engine.py EngineAdapter)."""
+
+    info: EngineInfo
+
+    async def init_group(self, spec: GroupSpec, timeout: float) -> list[RankOutcome[list[GroupJoined]]]: ...
+
+    async def destroy_group(self, name: str) -> None: ...
+
+
+def check_group_name(name: str, field: str = "group_name") -> None:
+    if not name or len(name.encode()) > MAX_GROUP_NAME_BYTES or not all(c.isalnum() or c in "-_." for c in name):
+        raise invalid_field(
+            Reason.GROUP_NAME_INVALID, field, f"1-{MAX_GROUP_NAME_BYTES} bytes of letters, digits, '-', '_' or '.'"
+        )
+
+
+def backends() -> list[pb2.UpdateBackend.ValueType]:
+    """The update backends this machine offers (NCCL only with CUDA)."""
+    found: list[pb2.UpdateBackend.ValueType] = [
+        pb2.UPDATE_BACKEND_DISK,
+        pb2.UPDATE_BACKEND_GLOO,
+        pb2.UPDATE_BACKEND_TENSOR_STREAM,
+    ]
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+            found.insert(2, pb2.UPDATE_BACKEND_NCCL)
+    except Exception:  # noqa: BLE001 - no torch CUDA: no NCCL
+        pass
+    return found
+
+
+class UpdateGroups:
+    """The groups of one engine: created, being created, and in use by an update."""
+
+    def __init__(self, engine: GroupEngine) -> None:
+        self._engine = engine
+        self._groups: dict[str, pb2.WeightsUpdateGroup] = {}
+        self._pending: set[str] = set()
+        self.in_use: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._groups
+
+    async def init(self, request: pb2.InitWeightsUpdateGroupRequest) -> pb2.WeightsUpdateGroup:
+        check_group_name(request.group_name)
+        if not request.master_address or len(request.master_address.encode()) > 253:
+            raise invalid_field(
+                Reason.MASTER_ADDRESS_INVALID, "master_address", "a host name or address, at most 253 bytes"
+            )
+        if not 0 < request.master_port < 65536:
+            raise invalid_field(Reason.MASTER_ADDRESS_INVALID, "master_port", "in 1..65535")
+        workers = self._engine.info.num_workers
+        if request.world_size > MAX_WORLD_SIZE:
+            raise invalid_field(Reason.GROUP_SIZE_INVALID, "world_size", f"at most {MAX_WORLD_SIZE}")
+        if request.rank_offset < 1 or request.world_size < request.rank_offset + workers:
+            raise invalid_field(
+                Reason.GROUP_SIZE_INVALID,
+                "world_size",
+                f"rank_offset must be >= 1 (the trainer is rank 0) and world_size >= "
+                f"rank_offset + {workers} (this engine's workers)",
+            )
+        if request.backend not in (pb2.GROUP_BACKEND_GLOO, pb2.GROUP_BACKEND_NCCL):
+            raise invalid_field(Reason.GROUP_BACKEND_REQUIRED, "backend", "GLOO or NCCL")
+        timeout = parse_timeout(
+            "timeout",
+            request.timeout,
+            request.HasField("timeout"),
+            default=DEFAULT_GROUP_TIMEOUT_S,
+            maximum=MAX_GROUP_TIMEOUT_S,
+        )
+        if request.backend == pb2.GROUP_BACKEND_NCCL and pb2.UPDATE_BACKEND_NCCL not in backends():
+            raise ControlPlaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                Reason.BACKEND_UNAVAILABLE,
+                "NCCL needs CUDA GPUs; this engine has none (use GLOO or the tensor stream)",
+            )
+        name = request.group_name
+        if name in self._groups or name in self._pending:
+            raise ControlPlaneError(grpc.StatusCode.ALREADY_EXISTS, Reason.GROUP_EXISTS, f"group {name!r} exists")
+        if len(self._groups) + len(self._pending) >= MAX_GROUPS:
+            raise ControlPlaneError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Reason.TOO_MANY_GROUPS,
+                f"{MAX_GROUPS} groups exist; destroy one first",
+            )
+        spec = GroupSpec(
+            name=name,
+            master_address=request.master_address,
+            master_port=request.master_port,
+            rank_offset=request.rank_offset,
+            world_size=request.world_size,
+            timeout=timeout,
+            backend=Backend.NCCL if request.backend == pb2.GROUP_BACKEND_NCCL else Backend.GLOO,
+        )
+        self._pending.add(name)
+        try:
+            outcomes = await self._engine.init_group(spec, timeout=timeout + 10)
+        finally:
+            self._pending.discard(name)
+        failure = _join_failure(name, timeout, outcomes)
+        if failure is not None:
+            await self._engine.destroy_group(name)  # the members that did join leave again
+            raise failure
+        group = pb2.WeightsUpdateGroup(
+            group_name=name,
+            backend=request.backend,
+            master_address=request.master_address,
+            master_port=request.master_port,
+            world_size=request.world_size,
+            rank_offset=request.rank_offset,
+            num_engine_ranks=workers,
+        )
+        group.create_time.FromNanoseconds(time.time_ns())
+        self._groups[name] = group
+        log.info("update group created", group=name, backend=spec.backend.value, world_size=request.world_size)
+        return group
+
+    async def destroy(self, request: pb2.DestroyWeightsUpdateGroupRequest) -> bool:
+        check_group_name(request.group_name)
+        name = request.group_name
+        if name in self.in_use:
+            raise ControlPlaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                Reason.GROUP_IN_USE,
+                f"an update is receiving through {name!r}; cancel it first",
+            )
+        if name not in self._groups:
+            if request.allow_missing:
+                return False
+            raise ControlPlaneError(grpc.StatusCode.NOT_FOUND, Reason.GROUP_NOT_FOUND, f"no update group {name!r}")
+        await self.drop(name)
+        return True
+
+    async def drop(self, name: str) -> None:
+        """Forget `name` and have every worker leave it."""
+        self._groups.pop(name, None)
+        await self._engine.destroy_group(name)
+
+
+def _join_failure(
+    name: str, timeout: float, outcomes: list[RankOutcome[list[GroupJoined]]]
+) -> ControlPlaneError | None:
+    """None when every worker of every rank joined; else GROUP_TIMEOUT when a rank or a
+    worker ran out of time, GROUP_INIT_FAILED otherwise, naming each rank that did not join."""
+    timed_out, problems = False, []
+    for outcome in outcomes:
+        if outcome.failure is not None:
+            timed_out |= outcome.failure == RankFailure.RANK_TIMEOUT
+            problems.append(f"rank {outcome.dp_rank}: {outcome.message}")
+            continue
+        for worker in outcome.result or ():
+            if worker.failure:
+                timed_out |= worker.failure == Reason.GROUP_TIMEOUT
+                problems.append(f"rank {outcome.dp_rank}: {worker.message}")
+    if not problems:
+        return None
+    message = "; ".join(problems)
+    if timed_out:
+        return ControlPlaneError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            Reason.GROUP_TIMEOUT,
+            f"not every member joined group {name!r} within {timeout:.3f}s: {message}",
+        )
+    return ControlPlaneError(
+        grpc.StatusCode.UNAVAILABLE, Reason.GROUP_INIT_FAILED, f"joining group {name!r} failed: {message}"
+    )

@@ -1,0 +1,107 @@
+"""How a weight update ends: the Operation's response on success, its error on failure.
+
+Runs in the `enginectl serve` process, on the control loop; pure (no engine calls): the side
+effects of an ending (resume, hold paused, record the failure) stay in updates.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from enginectl.contract.engine import Cause, LoadResult
+from enginectl.server.errors import ControlPlaneError, Reason
+from enginectl.server.weights.generation import duration
+from enginectl.server.weights.ledger import VersionState
+from enginectl.server.weights.plans import UpdatePlan
+from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+# Failure causes -> gRPC code of the operation's error.
+CAUSE_CODES: dict[str, grpc.StatusCode] = {
+    Cause.UPDATE_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Cause.GROUP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Cause.UPDATE_CANCELLED: grpc.StatusCode.CANCELLED,
+    Cause.STREAM_BROKEN: grpc.StatusCode.CANCELLED,
+    Cause.DATA_SIZE_MISMATCH: grpc.StatusCode.INVALID_ARGUMENT,
+    Cause.CHUNK_OUT_OF_ORDER: grpc.StatusCode.INVALID_ARGUMENT,
+    Cause.CHUNK_TOO_LARGE: grpc.StatusCode.INVALID_ARGUMENT,
+    Cause.HEADER_REQUIRED: grpc.StatusCode.INVALID_ARGUMENT,
+    Cause.GROUP_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Cause.GROUP_BROKEN: grpc.StatusCode.FAILED_PRECONDITION,
+    Cause.ENGINE_DEAD: grpc.StatusCode.UNAVAILABLE,
+    Cause.ETAG_MISMATCH: grpc.StatusCode.ABORTED,
+    Cause.LOAD_FAILED: grpc.StatusCode.INTERNAL,
+}
+
+_CAUSES = frozenset(c.value for c in Cause)
+
+
+@dataclass
+class UpdateFailed(Exception):
+    """The update stops: `cause` is a Cause, or the reason of a ControlPlaneError raised inside it;
+    `modified`: a tensor was written before it stopped."""
+
+    cause: str
+    message: str
+    modified: bool
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.cause = Cause(self.cause).value if self.cause in _CAUSES else str(self.cause)
+
+    def error(self, operation: str) -> ControlPlaneError:
+        """The operation's error: the cause itself before any tensor was written, PARTIAL_UPDATE
+        (with the cause in its metadata) after."""
+        code = CAUSE_CODES.get(self.cause, grpc.StatusCode.INTERNAL)
+        if not self.modified:
+            return ControlPlaneError(code, self.cause, self.message, metadata=dict(self.metadata, operation=operation))
+        return ControlPlaneError(
+            code,
+            Reason.PARTIAL_UPDATE,
+            f"the update failed after writing began ({self.cause}: {self.message}); the weights may "
+            "be mixed: the version is undeclared and generation stays paused until an update succeeds "
+            "or ResumeGeneration(force=true)",
+            metadata={"cause": self.cause, "operation": operation},
+        )
+
+
+def success_response(
+    plan: UpdatePlan,
+    state: VersionState,
+    results: list[LoadResult],
+    started: float,
+    *,
+    resumed: bool,
+    in_flight: int,
+    paused_by_update: bool,
+    pause_duration: float,
+) -> pb2.UpdateWeightsResponse:
+    """The Operation's response: the new version, per-rank results, what the pause did."""
+    from enginectl.server.weights.version_service import weight_version_proto
+
+    return pb2.UpdateWeightsResponse(
+        weight_version=weight_version_proto(state),
+        ranks=per_rank(results),
+        num_paused_requests=in_flight if paused_by_update and plan.pause_mode == "keep" else 0,
+        num_aborted_requests=in_flight if paused_by_update and plan.pause_mode == "abort" else 0,
+        prefix_cache_reset=plan.reset_cache,
+        generation_resumed=resumed,
+        pause_duration=duration(pause_duration),
+        duration=duration(time.monotonic() - started),
+    )
+
+
+def per_rank(results: list[LoadResult]) -> list[pb2.RankUpdateResult]:
+    """Workers' results folded per DP rank (TP workers of one rank added up)."""
+    ranks: dict[int, pb2.RankUpdateResult] = {}
+    seconds: dict[int, float] = {}
+    for r in results:
+        acc = ranks.setdefault(r.dp_rank, pb2.RankUpdateResult(dp_rank=r.dp_rank))
+        acc.tensors_loaded = max(acc.tensors_loaded, r.tensors_loaded)
+        acc.bytes_loaded += r.bytes_loaded
+        seconds[r.dp_rank] = max(seconds.get(r.dp_rank, 0.0), r.duration)
+    for rank, acc in ranks.items():
+        acc.duration.CopyFrom(duration(seconds[rank]))
+    return [ranks[k] for k in sorted(ranks)]

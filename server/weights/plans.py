@@ -1,0 +1,223 @@
+"""UpdatePlan and its validation: everything an update request is checked for before the
+model is touched.
+
+Runs in the `enginectl serve` process, on the control loop. Names, shapes and dtypes are
+checked against the served checkpoint's safetensors headers; files against the allowed roots
+and their own headers; the group, version, etag, request id, pause mode and timeout against
+their bounds (server/limits.py). A plan that passes is what the update runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from enginectl.common import dtypes
+from enginectl.common.vocabulary import WeightSource
+from enginectl.contract.engine import TensorSpec
+from enginectl.server.errors import ControlPlaneError, FieldViolation, Reason, invalid_field
+from enginectl.server.limits import (
+    MAX_SHAPE_RANK,
+    MAX_TENSOR_ELEMENTS,
+    MAX_TENSOR_NAME_BYTES,
+    MAX_TENSORS,
+    MAX_VIOLATIONS,
+)
+from enginectl.server.weights.disk import TensorInfo, read_header, resolve_checkpoint
+from enginectl.server.weights.generation import parse_pause_mode, parse_timeout
+from enginectl.server.weights.groups import UpdateGroups, check_group_name
+from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+
+@dataclass
+class UpdatePlan:
+    """A validated update, before anything was touched."""
+
+    source: WeightSource
+    tensors: list[TensorInfo]
+    files: list[Path]
+    group: str
+    version: str | None
+    etag: str
+    request_id: str
+    pause_mode: str
+    reset_cache: bool
+    timeout: float
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def specs(self) -> tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(t.name, t.dtype, t.shape) for t in self.tensors)
+
+    def key(self) -> tuple[Any, ...]:
+        """What makes two requests with one request_id the same request."""
+        return (
+            self.source,
+            tuple(self.tensors),
+            tuple(self.files),
+            self.group,
+            self.version,
+            self.etag,
+            self.pause_mode,
+            self.reset_cache,
+        )
+
+
+class UpdateValidator:
+    """Turns update requests into plans, or refuses them with a precise error."""
+
+    def __init__(
+        self,
+        ledger: WeightVersionLedger,
+        groups: UpdateGroups,
+        *,
+        allowed_roots: list[Path],
+        expected: dict[str, TensorInfo],
+        served_dtype: str,
+    ) -> None:
+        self._ledger = ledger
+        self._groups = groups
+        self.allowed_roots = allowed_roots
+        self._expected = expected
+        self._served_dtype = served_dtype
+
+    def check_tensors(self, tensors: list[TensorInfo], field: str = "tensors") -> None:
+        """TENSOR_MISMATCH unless every tensor is one the model takes, in a dtype it can load."""
+        if len(tensors) > MAX_TENSORS:
+            raise invalid_field(Reason.TOO_MANY_TENSORS, field, f"{len(tensors)} tensors; at most {MAX_TENSORS}")
+        if not tensors:
+            raise invalid_field(Reason.TENSOR_SPEC_INVALID, field, "no tensor to load")
+        violations: list[FieldViolation] = []
+        seen: set[str] = set()
+        for i, t in enumerate(tensors):
+            problem = ""
+            want = self._expected.get(t.name)
+            if t.name in seen:
+                problem = f"duplicate tensor {t.name!r}"
+            elif self._expected and want is None:
+                problem = f"unknown tensor {t.name!r}: the model has no such weight"
+            elif want is not None and t.shape != want.shape:
+                problem = f"{t.name}: shape {list(t.shape)} but the model takes {list(want.shape)}"
+            elif (
+                want is not None
+                and t.dtype not in {want.dtype, self._served_dtype}
+                and not (dtypes.BY_NAME[t.dtype].floating and dtypes.BY_NAME[want.dtype].floating)
+            ):
+                problem = f"{t.name}: dtype {t.dtype} but the model takes {want.dtype}"
+            seen.add(t.name)
+            if problem:
+                violations.append(FieldViolation(f"{field}[{i}]", problem))
+        if violations:
+            raise ControlPlaneError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                Reason.TENSOR_MISMATCH,
+                f"{len(violations)} tensor(s) the model can not take; first: {violations[0].description}",
+                field_violations=violations[:MAX_VIOLATIONS],
+            )
+
+    def specs_from_proto(self, specs: Sequence[pb2.TensorSpec], field: str = "tensors") -> list[TensorInfo]:
+        if len(specs) > MAX_TENSORS:
+            raise invalid_field(Reason.TOO_MANY_TENSORS, field, f"{len(specs)} tensors; at most {MAX_TENSORS}")
+        tensors = []
+        for i, spec in enumerate(specs):
+            name_bytes = len(spec.name.encode())
+            if not spec.name or name_bytes > MAX_TENSOR_NAME_BYTES:
+                raise invalid_field(
+                    Reason.TENSOR_SPEC_INVALID, f"{field}[{i}].name", f"required, at most {MAX_TENSOR_NAME_BYTES} bytes"
+                )
+            dtype = dtypes.BY_PROTO.get(spec.dtype)
+            if dtype is None:
+                raise invalid_field(Reason.TENSOR_SPEC_INVALID, f"{field}[{i}].dtype", "a known TensorDtype")
+            if len(spec.shape) > MAX_SHAPE_RANK or any(d < 0 for d in spec.shape):
+                raise invalid_field(
+                    Reason.TENSOR_SPEC_INVALID,
+                    f"{field}[{i}].shape",
+                    f"at most {MAX_SHAPE_RANK} non-negative dimensions",
+                )
+            info = TensorInfo(spec.name, dtype.name, tuple(int(d) for d in spec.shape))
+            if info.nbytes // dtype.itemsize > MAX_TENSOR_ELEMENTS:
+                raise invalid_field(Reason.TENSOR_SPEC_INVALID, f"{field}[{i}].shape", "too many elements")
+            tensors.append(info)
+        return tensors
+
+    def disk(self, request: pb2.UpdateWeightsFromDiskRequest) -> UpdatePlan:
+        version = request.weight_version if request.HasField("weight_version") else None
+        self._ledger.check_write(version=version, etag=request.etag, request_id=request.request_id)
+        mode = parse_pause_mode("pause_mode", request.pause_mode)
+        timeout = parse_timeout("timeout", request.timeout, request.HasField("timeout"))
+        files = resolve_checkpoint(request.path, self.allowed_roots)
+        tensors = [info for file in files for info in read_header(file)]
+        self.check_tensors(tensors)
+        return UpdatePlan(
+            WeightSource.DISK,
+            tensors,
+            files,
+            "",
+            version,
+            request.etag,
+            request.request_id,
+            mode,
+            _reset_cache(request),
+            timeout,
+        )
+
+    def distributed(self, request: pb2.UpdateWeightsFromDistributedRequest) -> UpdatePlan:
+        version = request.weight_version if request.HasField("weight_version") else None
+        self._ledger.check_write(version=version, etag=request.etag, request_id=request.request_id)
+        check_group_name(request.group_name)
+        mode = parse_pause_mode("pause_mode", request.pause_mode)
+        timeout = parse_timeout("timeout", request.timeout, request.HasField("timeout"))
+        tensors = self.specs_from_proto(request.tensors)
+        self.check_tensors(tensors)
+        if request.group_name not in self._groups:
+            raise ControlPlaneError(
+                grpc.StatusCode.NOT_FOUND,
+                Reason.GROUP_NOT_FOUND,
+                f"no update group {request.group_name!r}; create it with InitWeightsUpdateGroup",
+            )
+        return UpdatePlan(
+            WeightSource.DISTRIBUTED,
+            tensors,
+            [],
+            request.group_name,
+            version,
+            request.etag,
+            request.request_id,
+            mode,
+            _reset_cache(request),
+            timeout,
+        )
+
+    def tensors(self, header: pb2.TensorStreamHeader) -> UpdatePlan:
+        version = header.weight_version if header.HasField("weight_version") else None
+        self._ledger.check_write(version=version, etag=header.etag, request_id=header.request_id)
+        mode = parse_pause_mode("header.pause_mode", header.pause_mode)
+        timeout = parse_timeout("header.timeout", header.timeout, header.HasField("timeout"))
+        tensors = self.specs_from_proto(header.tensors, "header.tensors")
+        self.check_tensors(tensors, "header.tensors")
+        return UpdatePlan(
+            WeightSource.TENSORS,
+            tensors,
+            [],
+            "",
+            version,
+            header.etag,
+            header.request_id,
+            mode,
+            _reset_cache(header),
+            timeout,
+        )
+
+
+def _reset_cache(
+    request: pb2.UpdateWeightsFromDiskRequest | pb2.UpdateWeightsFromDistributedRequest | pb2.TensorStreamHeader,
+) -> bool:
+    """reset_prefix_cache, true unless the request says otherwise."""
+    return request.reset_prefix_cache if request.HasField("reset_prefix_cache") else True

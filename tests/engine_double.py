@@ -1,0 +1,132 @@
+"""An in-memory engine for unit tests of the update state machine (server/weights/).
+
+It implements the typed EngineAdapter methods WeightUpdates calls (server/weights/updates.py
+`UpdateEngine`) over a few fields, and records every call, so tests of pure logic (pause
+modes, auto-pause and resume, one update at a time, the partial-update rule, ordering with a
+declaration) run without vLLM. The real-engine tests (test_weight_update.py and others) cover
+the same rules end to end; this double only stands in for speed and for states that are hard
+to reach on purpose (a load that fails after writing, a load held mid-way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from enginectl.contract.engine import (
+    Cause,
+    DigestJob,
+    DigestSlice,
+    FinishUpdate,
+    GroupJoined,
+    GroupSpec,
+    LoadError,
+    LoadPlan,
+    LoadResult,
+    RankGenerationState,
+    WorkerDigest,
+)
+from enginectl.server.engine import EngineInfo, RankOutcome
+
+
+@dataclass
+class LoadScript:
+    """How the next load ends: `error` (None: success), whether weights were written, and
+    an event it waits for first (None: answer at once)."""
+
+    error: Cause | None = None
+    modified: bool = True
+    release: asyncio.Event | None = None
+
+
+@dataclass
+class EngineDouble:
+    """One DP rank whose weights are a version string; every call appended to `calls`."""
+
+    running: int = 0
+    waiting: int = 0
+    paused: bool = False
+    weights: str = "A"  # what is "loaded": the digest is derived from it
+    version: str | None = None  # stamped on outputs
+    calls: list[str] = field(default_factory=list)
+    script: LoadScript = field(default_factory=LoadScript)
+    loading: asyncio.Event = field(default_factory=asyncio.Event)  # set once a load began
+    info: EngineInfo = field(
+        default_factory=lambda: EngineInfo(
+            model="double",
+            served_model_names=("double",),
+            dtype="float32",
+            quantization="",
+            data_parallel_size=1,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            vllm_version="0.32.0",
+        )
+    )
+    errored: bool = False
+
+    # --- generation --------------------------------------------------------------------
+
+    async def generation_state(self) -> list[RankGenerationState]:
+        return [RankGenerationState(0, self.paused, self.running, self.waiting)]
+
+    async def is_paused(self) -> list[bool]:
+        return [self.paused]
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append(f"pause:{mode}")
+        if mode == "abort":
+            self.running = self.waiting = 0
+        self.paused = True
+
+    async def resume(self) -> None:
+        self.calls.append("resume")
+        self.paused = False
+
+    async def reset_prefix_cache(self) -> None:
+        self.calls.append("reset_prefix_cache")
+
+    async def set_weight_version(self, version: str) -> None:
+        self.calls.append(f"set_weight_version:{version}")
+        self.version = version
+
+    # --- weights -----------------------------------------------------------------------
+
+    async def load(self, plan: LoadPlan, timeout: float) -> list[LoadResult]:
+        self.calls.append("load")
+        self.loading.set()
+        script = self.script
+        if script.release is not None:
+            await script.release.wait()
+        if script.modified:
+            self.weights = "+".join(t.name for t in plan.tensors)
+        error = LoadError(script.error, "scripted failure") if script.error is not None else None
+        return [LoadResult(0, 0, len(plan.tensors) if error is None else 0, 0, script.modified, 0.01, error)]
+
+    async def finish_update(self, request: FinishUpdate) -> list[list[WorkerDigest]]:
+        self.calls.append(f"finish_update:resume={request.resume}")
+        if request.version is not None:
+            self.version = request.version
+        if request.resume:
+            self.paused = False
+        return [[self._digest()] if request.fingerprint_token else []]
+
+    async def fingerprint(self) -> list[list[WorkerDigest]]:
+        return [[self._digest()]]
+
+    async def declare_fingerprint(self, token: str) -> list[list[WorkerDigest]]:
+        return [[self._digest()]]
+
+    async def full_digest(self, job: DigestJob, token: str) -> list[list[DigestSlice]]:
+        return [[DigestSlice(0, 0, done=True, digest=f"full-{self.weights}", method="full")]]
+
+    def _digest(self) -> WorkerDigest:
+        return WorkerDigest(0, 0, f"sampled-{self.weights}", "sampled", "sampled", "full")
+
+    # --- groups ------------------------------------------------------------------------
+
+    async def init_group(self, spec: GroupSpec, timeout: float) -> list[RankOutcome[list[GroupJoined]]]:
+        return [RankOutcome(0, [GroupJoined(0, spec.rank_offset)])]
+
+    async def destroy_group(self, name: str) -> None:
+        self.calls.append(f"destroy_group:{name}")

@@ -1,0 +1,91 @@
+"""The worker's end of one update's ZMQ channels (the server's end: server/weights/channels.py).
+
+Runs inside a vLLM worker, on its RPC thread (the thread that runs the LOAD worker RPC). The
+frames are defined in contract/frames.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from enginectl.contract import frames
+from enginectl.contract.engine import Cause, LoadPlan, Source
+
+PROGRESS_INTERVAL_S = 0.05
+POLL_MS = 20
+
+
+class Abort(Exception):
+    """The update must stop, for `cause`."""
+
+    def __init__(self, cause: Cause, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class Channel:
+    """Data and aborts in (PULL), progress out (PUSH), and the update's deadline."""
+
+    def __init__(self, plan: LoadPlan, dp_rank: int) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.data = self._ctx.socket(zmq.PULL)
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.connect(plan.data_endpoints[dp_rank])
+        self.progress_socket = self._ctx.socket(zmq.PUSH)
+        self.progress_socket.setsockopt(zmq.LINGER, 0)
+        self.progress_socket.setsockopt(zmq.SNDHWM, 4)
+        self.progress_socket.connect(plan.progress_endpoint)
+        self.deadline = plan.deadline  # time.time() based
+        # On the tensor stream, data frames are the payload: only recv() may read them.
+        self._peek_aborts = plan.source != Source.TENSORS
+        self.dp_rank = dp_rank
+        self._last_progress = 0.0
+        self._latest = self._sent = (0, 0)  # (tensors, bytes) loaded; and as last reported
+
+    def check(self) -> None:
+        """Raise Abort if the server sent one or the deadline passed; never blocks."""
+        if time.time() > self.deadline:
+            raise Abort(Cause.UPDATE_TIMEOUT, "the update's timeout elapsed")
+        while self._peek_aborts and self.data.poll(0):
+            _chunk_or_raise(self.data.recv_multipart(copy=False))
+
+    def recv(self) -> frames.Chunk:
+        """The next stream chunk; raises Abort on an abort frame or at the deadline."""
+        while True:
+            remaining = self.deadline - time.time()
+            if remaining <= 0:
+                raise Abort(Cause.UPDATE_TIMEOUT, "the update's timeout elapsed while receiving")
+            self.flush()
+            if self.data.poll(min(POLL_MS * 10, int(remaining * 1000) + 1)):
+                return _chunk_or_raise(self.data.recv_multipart(copy=False))
+
+    def progress(self, tensors: int, nbytes: int, *, force: bool = False) -> None:
+        """Report what this worker has loaded: at most every PROGRESS_INTERVAL_S while loading;
+        `flush` sends what is still unreported whenever the worker waits for data, so the
+        Operation's progress never lags the weights by more than an interval and a poll."""
+        self._latest = (tensors, nbytes)
+        if force or time.monotonic() - self._last_progress >= PROGRESS_INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._latest == self._sent:
+            return
+        try:
+            self.progress_socket.send(frames.progress(self.dp_rank, *self._latest), zmq.NOBLOCK)
+        except zmq.Again:
+            return  # the server is behind; the next progress or flush sends the latest
+        self._sent = self._latest
+        self._last_progress = time.monotonic()
+
+    def close(self) -> None:
+        self.data.close(0)
+        self.progress_socket.close(0)
+
+
+def _chunk_or_raise(message: list[zmq.Frame]) -> frames.Chunk:
+    decoded = frames.read_data(message)
+    if isinstance(decoded, frames.Abort):
+        raise Abort(decoded.cause, decoded.message)
+    return decoded

@@ -1,0 +1,177 @@
+"""Private broadcast groups with a trainer, inside a vLLM worker.
+
+Runs inside every vLLM worker process, mixed into EnginectlWorkerExtension. The group RPCs
+(INIT_GROUP, DESTROY_GROUP) and the broadcast receive run on the worker's RPC thread; one
+background thread per update receives broadcasts into reusable buffers and never touches the
+model (worker/weights/fingerprints.py, "who may touch the weights").
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from enginectl.contract.engine import Backend, Cause, GroupJoined, GroupSpec, LoadPlan, read, wire
+from enginectl.worker.weights.channel import POLL_MS, Abort, Channel
+from enginectl.worker.weights.ranks import dp_rank, global_rank
+
+GROUP_INIT_FAILED = "GROUP_INIT_FAILED"
+
+
+@dataclass
+class _Group:
+    name: str
+    pg: Any
+    rank: int
+    world_size: int
+    timeout: float  # gloo's (or NCCL's) own bound on one collective
+    broken: str | None = None
+    # Receive buffers by (name, dtype, shape), reused across updates: fresh pages are slow.
+    buffers: dict[tuple[str, str, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _ReceiveFailed:
+    """The broadcast receive thread's failure, handed to the loading thread."""
+
+    error: BaseException
+    timed_out: bool
+
+
+def _timed_out(waited: float, timeout: float) -> bool:
+    """gloo and the TCPStore raise the same error types for their timeout and for a dead
+    peer: a failure after (nearly) the whole timeout of waiting is the timeout."""
+    return waited >= 0.9 * timeout
+
+
+class GroupsMixin:
+    """Worker RPCs for update groups, and the broadcast source of a DISTRIBUTED load."""
+
+    def _enginectl_groups(self) -> dict[str, _Group]:
+        groups: dict[str, _Group] | None = getattr(self, "_enginectl_group_table", None)
+        if groups is None:
+            groups = {}
+            self._enginectl_group_table = groups
+        return groups
+
+    def enginectl_init_group(self, spec_wire: Any) -> Any:
+        """Join the private group `spec` (own TCPStore + PrefixStore); vLLM's own process
+        groups are never touched. Answers a GroupJoined: the rank taken, or why not."""
+        spec = read(GroupSpec, spec_wire)
+        groups = self._enginectl_groups()
+        if spec.name in groups:
+            return wire(GroupJoined(dp_rank(self), -1, GROUP_INIT_FAILED, f"group {spec.name!r} exists on this worker"))
+        rank = spec.rank_offset + global_rank(self)
+        started = time.monotonic()
+        try:
+            pg = _join(spec, rank)
+            # A first barrier-like broadcast proves every member joined before we answer.
+            probe = torch.zeros(1, dtype=torch.int64)
+            pg.broadcast(probe, 0).wait()
+        except Exception as exc:  # noqa: BLE001 - answered as this worker's failure
+            failure = (
+                Cause.GROUP_TIMEOUT.value if _timed_out(time.monotonic() - started, spec.timeout) else GROUP_INIT_FAILED
+            )
+            return wire(GroupJoined(dp_rank(self), rank, failure, f"{type(exc).__name__}: {exc}"))
+        groups[spec.name] = _Group(spec.name, pg, rank, spec.world_size, spec.timeout)
+        return wire(GroupJoined(dp_rank(self), rank))
+
+    def enginectl_destroy_group(self, name: str) -> bool:
+        group = self._enginectl_groups().pop(name, None)
+        if group is None:
+            return False
+        group.buffers.clear()
+        # Dropping the last reference closes gloo's connections (no collective needed).
+        del group
+        return True
+
+    def _enginectl_broadcast_tensors(self, plan: LoadPlan, channel: Channel) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors broadcast by the trainer (group rank 0), received on a thread so that
+        receiving the next tensor overlaps loading this one."""
+        group = self._enginectl_groups().get(plan.group)
+        if group is None:
+            raise Abort(Cause.GROUP_NOT_FOUND, f"no update group {plan.group!r} on this worker")
+        if group.broken:
+            raise Abort(Cause.GROUP_BROKEN, group.broken)
+        received: queue.Queue[tuple[str, torch.Tensor] | _ReceiveFailed | None] = queue.Queue(maxsize=2)
+        stop = threading.Event()
+
+        def receive() -> None:
+            waiting_since = time.monotonic()
+            try:
+                for spec in plan.tensors:
+                    key = (spec.name, spec.dtype, spec.shape)
+                    tensor = group.buffers.get(key)
+                    if tensor is None:
+                        tensor = group.buffers[key] = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+                    waiting_since = time.monotonic()
+                    group.pg.broadcast(tensor, 0).wait()
+                    while not stop.is_set():
+                        try:
+                            received.put((spec.name, tensor), timeout=POLL_MS / 1000)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                received.put(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
+                group.broken = f"{type(exc).__name__}: {exc}"
+                received.put(_ReceiveFailed(exc, _timed_out(time.monotonic() - waiting_since, group.timeout)))
+
+        thread = threading.Thread(target=receive, name=f"enginectl-recv-{group.name}", daemon=True)
+        thread.start()
+        try:
+            while True:
+                try:
+                    channel.check()
+                except Abort as exc:
+                    if exc.cause == Cause.UPDATE_TIMEOUT:  # still receiving: the broadcast is late
+                        raise Abort(Cause.GROUP_TIMEOUT, f"the broadcast did not complete in time: {exc}") from None
+                    raise
+                try:
+                    item = received.get(timeout=POLL_MS / 1000)
+                except queue.Empty:
+                    channel.flush()
+                    continue
+                if item is None:
+                    return
+                if isinstance(item, _ReceiveFailed):
+                    late = item.timed_out or time.time() >= channel.deadline
+                    raise Abort(
+                        Cause.GROUP_TIMEOUT if late else Cause.STREAM_BROKEN,
+                        f"the broadcast failed: {type(item.error).__name__}: {item.error}",
+                    )
+                yield item
+        finally:
+            stop.set()
+            if thread.is_alive():
+                # Blocked in a receive: the group can not be trusted again; the server destroys it.
+                group.broken = group.broken or "an update stopped while receiving through this group"
+
+
+def _join(spec: GroupSpec, rank: int) -> Any:
+    """The process group `spec` with this worker as `rank` (blocks until every member joined,
+    or the timeout)."""
+    timeout = datetime.timedelta(seconds=spec.timeout)
+    store = torch.distributed.TCPStore(
+        spec.master_address,
+        spec.master_port,
+        spec.world_size,
+        is_master=False,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    prefixed = torch.distributed.PrefixStore(f"enginectl/{spec.name}", store)
+    if spec.backend == Backend.NCCL:
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return torch.distributed.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
+    return torch.distributed.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
