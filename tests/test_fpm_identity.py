@@ -73,8 +73,9 @@ class SampleStream:
 
 
 def has(samples: list[fpm_pb2.ForwardPassMetrics], rank: int, kind: int, worker_id: str, generation: int) -> bool:
-    return any((s.dp_rank, s.kind, s.worker_id, s.identity_generation) == (rank, kind, worker_id, generation)
-               for s in samples)
+    return any(
+        (s.dp_rank, s.kind, s.worker_id, s.identity_generation) == (rank, kind, worker_id, generation) for s in samples
+    )
 
 
 def health(target: str, service: str = "") -> int:
@@ -87,7 +88,9 @@ def identity_stub(channel: grpc.Channel) -> id_grpc.FpmIdentityServiceStub:
     return id_grpc.FpmIdentityServiceStub(channel)
 
 
-def set_identity(target: str, worker_id: str, timeout: duration_pb2.Duration | None = None) -> id_pb2.SetWorkerIdentityResponse:
+def set_identity(
+    target: str, worker_id: str, timeout: duration_pb2.Duration | None = None
+) -> id_pb2.SetWorkerIdentityResponse:
     with grpc.insecure_channel(target) as channel:
         request = id_pb2.SetWorkerIdentityRequest(worker_id=worker_id, timeout=timeout)
         return identity_stub(channel).SetWorkerIdentity(request, timeout=120)
@@ -226,8 +229,10 @@ def test_setting_the_held_identity_is_a_safe_retry_and_a_new_one_bumps_the_gener
 # -- late start, data_parallel_size=2: --await-worker-id -------------------------------------
 @pytest.fixture(scope="module")
 def late(serve_env: dict[str, str]) -> Iterator[tuple[ServeProcess, str, str]]:
-    srv = ServeProcess(["--data-parallel-size", "2", "--await-worker-id", "--enable-scale-out",
-                        "--fpm-heartbeat-interval", "0.5"], serve_env).start()
+    srv = ServeProcess(
+        ["--data-parallel-size", "2", "--await-worker-id", "--enable-scale-out", "--fpm-heartbeat-interval", "0.5"],
+        serve_env,
+    ).start()
     event = awaiting(srv)
     yield srv, f"127.0.0.1:{event['grpc_port']}", f"http://127.0.0.1:{event['http_port']}"
     srv.kill()
@@ -269,7 +274,9 @@ def test_set_worker_identity_acks_both_ranks_then_both_publish_it_and_serve(
     assert health(target) == SERVING and health(target, IDENTITY_SERVICE) == SERVING
     for rank in (0, 1):
         generate(http, "", rank)
-    late_stream.wait_for(lambda s: all(has(s, rank, kind, "w-late", 1) for rank in (0, 1) for kind in (STEP, HEARTBEAT)))
+    late_stream.wait_for(
+        lambda s: all(has(s, rank, kind, "w-late", 1) for rank in (0, 1) for kind in (STEP, HEARTBEAT))
+    )
     assert all(s.worker_id == "w-late" for s in late_stream.samples)
     # Everything the relay kept since the start, replayed: not one sample without the id.
     kept = len(late_stream.samples)
@@ -310,8 +317,9 @@ def test_a_deadline_no_rank_can_meet_is_fatal_in_await_mode(late: tuple[ServePro
 
 # -- await mode with a scheduler that has no identity: the sync fails, the server exits -------
 def test_failed_sync_in_await_mode_exits_nonzero_never_serving(serve_env: dict[str, str]) -> None:
-    srv = ServeProcess(["--await-worker-id", "--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler"],
-                       serve_env).start()
+    srv = ServeProcess(
+        ["--await-worker-id", "--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler"], serve_env
+    ).start()
     try:
         event = awaiting(srv)
         target = f"127.0.0.1:{event['grpc_port']}"
@@ -332,8 +340,16 @@ def test_failed_sync_in_await_mode_exits_nonzero_never_serving(serve_env: dict[s
 def test_failed_sync_with_retry_policy_keeps_waiting_not_serving(serve_env: dict[str, str]) -> None:
     """`--identity-sync-failure retry`: the failure is reported, the server stays up and
     NOT_SERVING for another attempt, and a read names the rank that cannot answer."""
-    srv = ServeProcess(["--await-worker-id", "--identity-sync-failure", "retry",
-                        "--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler"], serve_env).start()
+    srv = ServeProcess(
+        [
+            "--await-worker-id",
+            "--identity-sync-failure",
+            "retry",
+            "--scheduler-cls",
+            "vllm.v1.core.sched.scheduler.Scheduler",
+        ],
+        serve_env,
+    ).start()
     try:
         target = f"127.0.0.1:{awaiting(srv)['grpc_port']}"
         children = srv.descendants()
@@ -345,7 +361,10 @@ def test_failed_sync_with_retry_policy_keeps_waiting_not_serving(serve_env: dict
             get_identity(target)
         err = from_rpc_error(caught.value)
         assert (err.code, err.reason, err.metadata["failed_ranks"]) == (
-            grpc.StatusCode.UNAVAILABLE, Reason.IDENTITY_READ_FAILED, "0")
+            grpc.StatusCode.UNAVAILABLE,
+            Reason.IDENTITY_READ_FAILED,
+            "0",
+        )
         assert health(target) == NOT_SERVING
         assert srv.terminate() == 0, srv.tail()
         assert not alive(children), [p.pid for p in alive(children)]

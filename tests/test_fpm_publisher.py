@@ -21,10 +21,10 @@ from serving import ServeProcess
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
-from enginectl.worker.fpm_identity import IdentityError, WorkerIdentity
-from enginectl.worker.fpm_load import QueuedLoad, ScheduledLoad, queued_load, scheduled_load
-from enginectl.worker.fpm_publisher import FpmPublisher, PublisherConfig
-from enginectl.worker.fpm_timing import HeartbeatTimer
+from enginectl.worker.fpm.identity import IdentityError, WorkerIdentity
+from enginectl.worker.fpm.load import QueuedLoad, ScheduledLoad, queued_load, scheduled_load
+from enginectl.worker.fpm.publisher import FpmPublisher, PublisherConfig
+from enginectl.worker.fpm.timing import HeartbeatTimer
 
 STEP, HEARTBEAT = fpm_pb2.SAMPLE_KIND_STEP, fpm_pb2.SAMPLE_KIND_HEARTBEAT
 
@@ -95,17 +95,18 @@ def test_interval_must_be_positive() -> None:
 
 # -- request metrics from scheduler state (pure) ----------------------------------------------
 def _request(prompt: int, computed: int, output: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(num_prompt_tokens=prompt, num_computed_tokens=computed,
-                           num_output_tokens=output, num_tokens=prompt + output)
+    return SimpleNamespace(
+        num_prompt_tokens=prompt, num_computed_tokens=computed, num_output_tokens=output, num_tokens=prompt + output
+    )
 
 
 def test_scheduled_load_splits_prefill_chunks_prefix_hits_and_decodes() -> None:
     # As read right after schedule(): num_computed_tokens already includes this step's tokens.
     requests = {
-        "new": _request(prompt=10, computed=10),            # whole prompt, no cache hit
-        "cached": _request(prompt=20, computed=20),         # 12 cached + 8 computed now
-        "chunk": _request(prompt=100, computed=64),         # second chunk: 32 earlier + 32 now
-        "dec1": _request(prompt=5, computed=9, output=4),   # decoding, context 9
+        "new": _request(prompt=10, computed=10),  # whole prompt, no cache hit
+        "cached": _request(prompt=20, computed=20),  # 12 cached + 8 computed now
+        "chunk": _request(prompt=100, computed=64),  # second chunk: 32 earlier + 32 now
+        "dec1": _request(prompt=5, computed=9, output=4),  # decoding, context 9
         "dec2": _request(prompt=5, computed=13, output=8),  # decoding, context 13
     }
     load = scheduled_load({"new": 10, "cached": 8, "chunk": 32, "dec1": 1, "dec2": 1}, requests)
@@ -150,10 +151,12 @@ def _step(publisher: FpmPublisher, **load: int) -> None:
     publisher.step_finished(0.01, ScheduledLoad(**load), QueuedLoad(num_prefill_requests=2), 0.25, 1, 2)
 
 
-def _publisher(endpoint: str, identity: WorkerIdentity, counts: list[int], *, queue_size: int = 64,
-               heartbeat: float = 3600.0) -> FpmPublisher:
-    config = PublisherConfig(endpoint=endpoint, heartbeat_interval_s=heartbeat, incarnation="inc-1",
-                             queue_size=queue_size)
+def _publisher(
+    endpoint: str, identity: WorkerIdentity, counts: list[int], *, queue_size: int = 64, heartbeat: float = 3600.0
+) -> FpmPublisher:
+    config = PublisherConfig(
+        endpoint=endpoint, heartbeat_interval_s=heartbeat, incarnation="inc-1", queue_size=queue_size
+    )
     return FpmPublisher(config, dp_rank=3, identity=identity, activity=lambda: (0, counts[0], counts[1]))
 
 
@@ -233,13 +236,17 @@ def test_idle_engine_sends_idle_heartbeats_at_the_interval(server: ServeProcess)
     its engine's samples count (other tests may feed the relay from their own publisher)."""
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = svc_grpc.ForwardPassMetricsServiceStub(channel)
-        call = stub.StreamForwardPassMetrics(svc_pb2.StreamForwardPassMetricsRequest(include_heartbeats=True),
-                                             timeout=60)
+        call = stub.StreamForwardPassMetrics(
+            svc_pb2.StreamForwardPassMetricsRequest(include_heartbeats=True), timeout=60
+        )
         beats: list[fpm_pb2.ForwardPassMetrics] = []
         try:
             for message in call:
-                beats.extend(s for s in message.batch.samples
-                             if s.kind == HEARTBEAT and s.incarnation == server.serving["incarnation"])
+                beats.extend(
+                    s
+                    for s in message.batch.samples
+                    if s.kind == HEARTBEAT and s.incarnation == server.serving["incarnation"]
+                )
                 if len(beats) >= 4:
                     break
         finally:
@@ -248,6 +255,9 @@ def test_idle_engine_sends_idle_heartbeats_at_the_interval(server: ServeProcess)
     assert all(b.dp_rank == 0 for b in beats)
     counters = [b.counter_id for b in beats]
     assert counters == list(range(counters[0], counters[0] + 4))  # nothing else was made in between
-    gaps = [(b.emit_time.ToNanoseconds() - a.emit_time.ToNanoseconds()) / 1e9 for a, b in zip(beats, beats[1:])]
+    gaps = [
+        (b.emit_time.ToNanoseconds() - a.emit_time.ToNanoseconds()) / 1e9
+        for a, b in zip(beats, beats[1:], strict=False)
+    ]
     # Never before the interval; the upper bound only guards against a stalled timer.
     assert all(0.95 <= gap < 5.0 for gap in gaps), gaps

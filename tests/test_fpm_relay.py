@@ -9,12 +9,12 @@ publishers, so rates and counts are under the test's control.
 from __future__ import annotations
 
 import asyncio
-from itertools import pairwise
 import os
 import stat
 import threading
 import time
 from collections.abc import AsyncIterator
+from itertools import pairwise
 
 import grpc
 import pytest
@@ -24,18 +24,23 @@ from enginectl.client import Reason
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
 from enginectl.server.errors import ControlPlaneError
-from enginectl.server.fpm_relay import FpmRelay, RelayClosed, SampleFilter, Subscription
-from enginectl.server.fpm_relay_zmq import FpmRelayHost
-from enginectl.server.fpm_stream import encode_batch
-from enginectl.server.ledger import WeightVersionLedger
+from enginectl.server.fpm.relay import FpmRelay, RelayClosed, SampleFilter, Subscription
+from enginectl.server.fpm.relay_zmq import FpmRelayHost
+from enginectl.server.fpm.stream import encode_batch
+from enginectl.server.weights.ledger import WeightVersionLedger
 
 STEP, HEARTBEAT = fpm_pb2.SAMPLE_KIND_STEP, fpm_pb2.SAMPLE_KIND_HEARTBEAT
 
 
 def frame(worker_id: str = "w", dp_rank: int = 0, counter_id: int = 1, kind: int = STEP) -> bytes:
     return fpm_pb2.ForwardPassMetrics(
-        schema_version=1, worker_id=worker_id, dp_rank=dp_rank, counter_id=counter_id,
-        incarnation="test", kind=kind, idle=kind == HEARTBEAT,
+        schema_version=1,
+        worker_id=worker_id,
+        dp_rank=dp_rank,
+        counter_id=counter_id,
+        incarnation="test",
+        kind=kind,
+        idle=kind == HEARTBEAT,
     ).SerializeToString()
 
 
@@ -74,7 +79,8 @@ def test_batches_are_encoded_as_protobuf_would_encode_them() -> None:
     batch, _ = sub.take(10)
     wire = encode_batch(batch, missed=129)
     expected = svc_pb2.StreamForwardPassMetricsResponse(
-        batch=svc_pb2.ForwardPassMetricsBatch(samples=[r.sample for r in batch], missed=129))
+        batch=svc_pb2.ForwardPassMetricsBatch(samples=[r.sample for r in batch], missed=129)
+    )
     assert svc_pb2.StreamForwardPassMetricsResponse.FromString(wire) == expected
     assert [s.sequence for s in expected.batch.samples] == [1, 2, 3, 1_000_004]
     assert {s.weight_revision for s in expected.batch.samples} == {300}

@@ -10,13 +10,13 @@ drives the engine itself through vLLM's HTTP API and reads the samples its sched
 from __future__ import annotations
 
 import asyncio
-from itertools import pairwise
 import json
 import subprocess
 import time
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from itertools import pairwise
 
 import grpc
 import pytest
@@ -222,18 +222,27 @@ async def test_slow_subscriber_is_told_what_it_missed_while_a_fast_one_misses_no
     ("fields", "reason", "field"),
     [
         ({"filter": svc_pb2.ForwardPassMetricsFilter(worker_ids=[""])}, Reason.FILTER_INVALID, "filter.worker_ids[0]"),
-        ({"filter": svc_pb2.ForwardPassMetricsFilter(worker_ids=["w" * 257])}, Reason.FILTER_INVALID,
-         "filter.worker_ids[0]"),
-        ({"filter": svc_pb2.ForwardPassMetricsFilter(worker_ids=[f"w{i}" for i in range(1025)])},
-         Reason.FILTER_INVALID, "filter.worker_ids"),
+        (
+            {"filter": svc_pb2.ForwardPassMetricsFilter(worker_ids=["w" * 257])},
+            Reason.FILTER_INVALID,
+            "filter.worker_ids[0]",
+        ),
+        (
+            {"filter": svc_pb2.ForwardPassMetricsFilter(worker_ids=[f"w{i}" for i in range(1025)])},
+            Reason.FILTER_INVALID,
+            "filter.worker_ids",
+        ),
         ({"filter": svc_pb2.ForwardPassMetricsFilter(dp_ranks=[0, -1])}, Reason.FILTER_INVALID, "filter.dp_ranks[1]"),
         ({"max_batch_size": 10_001}, Reason.MAX_BATCH_SIZE_TOO_LARGE, "max_batch_size"),
     ],
     ids=["empty-worker-id", "long-worker-id", "too-many-ids", "negative-rank", "batch-too-large"],
 )
 async def test_bad_requests_are_invalid_argument(
-    fpm_server: ServeProcess, stub: svc_grpc.ForwardPassMetricsServiceStub,
-    fields: dict[str, object], reason: str, field: str,
+    fpm_server: ServeProcess,
+    stub: svc_grpc.ForwardPassMetricsServiceStub,
+    fields: dict[str, object],
+    reason: str,
+    field: str,
 ) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await first_progress(stub.StreamForwardPassMetrics(svc_pb2.StreamForwardPassMetricsRequest(**fields)))  # type: ignore[arg-type]
@@ -265,8 +274,9 @@ async def test_resume_in_the_future_or_from_another_incarnation_is_out_of_range(
     err = from_rpc_error(raised.value)
     assert err.reason == Reason.SEQUENCE_IN_FUTURE and int(err.metadata["head_sequence"]) < 10**12
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        await first_progress(stub.StreamForwardPassMetrics(
-            request(resume_after_sequence=1, resume_incarnation="a-previous-life")))
+        await first_progress(
+            stub.StreamForwardPassMetrics(request(resume_after_sequence=1, resume_incarnation="a-previous-life"))
+        )
     err = from_rpc_error(raised.value)
     assert err.code is grpc.StatusCode.OUT_OF_RANGE and err.reason == Reason.INCARNATION_CHANGED
     assert err.metadata["incarnation"] == incarnation
@@ -274,9 +284,16 @@ async def test_resume_in_the_future_or_from_another_incarnation_is_out_of_range(
 
 async def test_grpcurl_streams_fpm_samples(fpm_server: ServeProcess, publisher: RelayPublisher) -> None:
     w = worker()
-    cmd = [str(BIN / "grpcurl"), "-plaintext", "-max-time", "8",
-           "-d", json.dumps({"filter": {"worker_ids": [w]}, "include_heartbeats": True}),
-           fpm_server.grpc_target, SERVICE]
+    cmd = [
+        str(BIN / "grpcurl"),
+        "-plaintext",
+        "-max-time",
+        "8",
+        "-d",
+        json.dumps({"filter": {"worker_ids": [w]}, "include_heartbeats": True}),
+        fpm_server.grpc_target,
+        SERVICE,
+    ]
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     assert proc.stdout is not None
     # grpcurl prints the first (progress) message once subscribed; then publish.
@@ -301,8 +318,9 @@ async def test_engine_steps_publish_samples_with_the_server_incarnation(
     call = stub.StreamForwardPassMetrics(request(dp_ranks=[0]))
     await first_progress(call)
     body = json.dumps({"model": fpm_server.model, "prompt": "hello", "max_tokens": 4}).encode()
-    req = urllib.request.Request(f"{fpm_server.http_url}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{fpm_server.http_url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     await asyncio.to_thread(lambda: urllib.request.urlopen(req, timeout=60).read())
     deadline = time.monotonic() + 30
     steps = []
@@ -319,8 +337,11 @@ async def test_metrics_count_relayed_samples(
 ) -> None:
     def scrape() -> dict[str, float]:
         text = urllib.request.urlopen(f"{fpm_server.http_url}/metrics", timeout=30).read().decode()
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("enginectl_fpm_")}
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("enginectl_fpm_")
+        }
 
     before = await asyncio.to_thread(scrape)
     w = worker()
@@ -336,13 +357,22 @@ async def test_metrics_count_relayed_samples(
     assert "enginectl_fpm_subscriber_missed_total" in after
 
 
-@pytest.mark.parametrize(("flag", "value", "message"), [
-    ("--fpm-ring-size", "0", "must be at least 1"),
-    ("--fpm-subscriber-queue", "many", "invalid integer value"),
-])
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--fpm-ring-size", "0", "must be at least 1"),
+        ("--fpm-subscriber-queue", "many", "invalid integer value"),
+    ],
+)
 def test_bad_relay_flags_are_refused_before_the_engine_starts(
     serve_env: dict[str, str], flag: str, value: str, message: str
 ) -> None:
-    result = subprocess.run([str(BIN / "enginectl"), "serve", flag, value], check=False, env=serve_env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(BIN / "enginectl"), "serve", flag, value],
+        check=False,
+        env=serve_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and f"argument {flag}: {message}" in result.stderr

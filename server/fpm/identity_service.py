@@ -1,7 +1,7 @@
 """FpmIdentityService servicer: proto <-> IdentitySync.
 
 Runs in the `enginectl serve` process, on the control loop. Thin on purpose: the rules live
-in fpm_identity.py; errors raised as ControlPlaneError become google.rpc.Status in the
+in identity.py; errors raised as ControlPlaneError become google.rpc.Status in the
 interceptor (which also requires the token for SetWorkerIdentity, a mutating RPC).
 """
 
@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import grpc
 
-from enginectl.fpm.v1 import fpm_identity_service_pb2 as pb2, fpm_identity_service_pb2_grpc as pb2_grpc
-from enginectl.server.fpm_identity import (
-    DEFAULT_GET_TIMEOUT_S,
-    DEFAULT_SET_TIMEOUT_S,
-    IdentitySync,
-    check_timeout,
-    check_worker_id,
-)
+from enginectl.fpm.v1 import fpm_identity_service_pb2 as pb2
+from enginectl.fpm.v1 import fpm_identity_service_pb2_grpc as pb2_grpc
+from enginectl.server.fpm.identity import IdentitySync, check_timeout, check_worker_id, rank_proto
+from enginectl.server.limits import DEFAULT_GET_IDENTITY_TIMEOUT_S, DEFAULT_SET_IDENTITY_TIMEOUT_S
 
 
-def _timeout(request: pb2.SetWorkerIdentityRequest | pb2.GetWorkerIdentityRequest, default: float,
-             context: grpc.aio.ServicerContext) -> float:
+def _timeout(
+    request: pb2.SetWorkerIdentityRequest | pb2.GetWorkerIdentityRequest,
+    default: float,
+    context: grpc.aio.ServicerContext,
+) -> float:
     """The request's timeout (validated), cut to the call's own deadline when that is earlier."""
     given = request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else None
     timeout = check_timeout(given, default)
@@ -38,15 +37,15 @@ class FpmIdentityServicer(pb2_grpc.FpmIdentityServiceServicer):
         self, request: pb2.SetWorkerIdentityRequest, context: grpc.aio.ServicerContext
     ) -> pb2.SetWorkerIdentityResponse:
         check_worker_id(request.worker_id)
-        acks = await self._identity.set(request.worker_id, _timeout(request, DEFAULT_SET_TIMEOUT_S, context))
-        return pb2.SetWorkerIdentityResponse(ranks=[a.proto() for a in acks])
+        acks = await self._identity.set(request.worker_id, _timeout(request, DEFAULT_SET_IDENTITY_TIMEOUT_S, context))
+        return pb2.SetWorkerIdentityResponse(ranks=[rank_proto(a) for a in acks])
 
     async def GetWorkerIdentity(
         self, request: pb2.GetWorkerIdentityRequest, context: grpc.aio.ServicerContext
     ) -> pb2.GetWorkerIdentityResponse:
-        report = await self._identity.get(_timeout(request, DEFAULT_GET_TIMEOUT_S, context))
+        report = await self._identity.get(_timeout(request, DEFAULT_GET_IDENTITY_TIMEOUT_S, context))
         return pb2.GetWorkerIdentityResponse(
-            ranks=[r.proto() for r in report.ranks],
+            ranks=[rank_proto(r) for r in report.ranks],
             consistent=report.consistent,
             await_worker_id=report.await_worker_id,
         )

@@ -85,8 +85,13 @@ def scheduled_load(num_scheduled_tokens: Mapping[str, int], requests: Mapping[st
             decode_sum += after
             decode_squares += after * after
     return ScheduledLoad(
-        n_prefill, prefill_tokens, _variance(n_prefill, prompt_sum, prompt_squares), prefill_kv,
-        n_decode, decode_sum, _variance(n_decode, decode_sum, decode_squares),
+        n_prefill,
+        prefill_tokens,
+        _variance(n_prefill, prompt_sum, prompt_squares),
+        prefill_kv,
+        n_decode,
+        decode_sum,
+        _variance(n_decode, decode_sum, decode_squares),
     )
 
 
@@ -110,8 +115,12 @@ def queued_load(*queues: Iterable[RequestLike]) -> QueuedLoad:
     if not n_new and not n_preempted:
         return EMPTY_QUEUE
     return QueuedLoad(
-        n_new, new_sum, _variance(n_new, new_sum, new_squares),
-        n_preempted, kv_sum, _variance(n_preempted, kv_sum, kv_squares),
+        n_new,
+        new_sum,
+        _variance(n_new, new_sum, new_squares),
+        n_preempted,
+        kv_sum,
+        _variance(n_preempted, kv_sum, kv_squares),
     )
 
 

@@ -11,11 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from enginectl.worker.labels import MAX_WORKER_ID_BYTES, label_problem
-
-# Names of the EngineCore utilities (fpm_engine_core.py) the server calls on every rank.
-SET_IDENTITY_UTILITY = "enginectl_set_worker_identity"
-GET_IDENTITY_UTILITY = "enginectl_get_worker_identity"
+from enginectl.common.labels import MAX_WORKER_ID_BYTES, label_problem
 
 
 @dataclass(frozen=True)
@@ -33,13 +29,14 @@ class IdentityError(ValueError):
 
 def check_worker_id(worker_id: str) -> None:
     """Raise IdentityError unless `worker_id` is 1 to MAX_WORKER_ID_BYTES bytes of UTF-8
-    without control characters (the label rule of worker/labels.py)."""
+    without control characters (the label rule of common/labels.py)."""
     if not isinstance(worker_id, str):
         raise IdentityError("worker_id must be a non-empty string")
     problem = label_problem(worker_id, MAX_WORKER_ID_BYTES)
     if problem is not None:
-        raise IdentityError(f"worker_id is not 1 to {MAX_WORKER_ID_BYTES} bytes without control "
-                            f"characters ({problem.value})")
+        raise IdentityError(
+            f"worker_id is not 1 to {MAX_WORKER_ID_BYTES} bytes without control characters ({problem.value})"
+        )
 
 
 class WorkerIdentity:
@@ -65,8 +62,6 @@ class WorkerIdentity:
             if held.worker_id == worker_id and held.generation == generation:
                 return held
             if generation <= held.generation:
-                raise IdentityError(
-                    f"generation {generation} is not above the held generation {held.generation}"
-                )
+                raise IdentityError(f"generation {generation} is not above the held generation {held.generation}")
             self.current = IdentityState(worker_id, generation)
             return self.current

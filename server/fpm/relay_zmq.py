@@ -1,10 +1,10 @@
 """FpmRelayHost: the relay's ZMQ SUB socket, its private ipc:// endpoint and its reader.
 
 Runs in the `enginectl serve` process. `bind` runs before the engine starts (on the main
-thread): it creates a private temporary directory, binds a SUB socket (subscribed to
-everything) on `ipc://<dir>/fpm.sock`, and tells every EngineCore the endpoint through
-vLLM's `additional_config["enginectl"]["fpm_endpoint"]`; each rank's publisher connects a
-PUB socket to it. `start` runs on the control loop: it builds the FpmRelay and drains the
+thread): it creates a private temporary directory and binds a SUB socket (subscribed to
+everything) on `ipc://<dir>/fpm.sock`; serve hands every EngineCore that `endpoint` in its
+EngineConfig (contract/engine.py), and each rank's publisher connects to it (the frames:
+contract/fpm.py). `start` runs on the control loop: it builds the FpmRelay and drains the
 socket from that loop's reader callback, without a task or an await per frame (a frame
 costs a parse and a few appends: at 50,000 samples/s that is what keeps it cheap).
 """
@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING
 import structlog
 import zmq
 
-from enginectl.server.fpm_relay import DEFAULT_QUEUE_LIMIT, DEFAULT_RING_SIZE, FpmRelay
+from enginectl.contract.fpm import SUBSCRIBE_ALL
+from enginectl.server.fpm.relay import DEFAULT_QUEUE_LIMIT, DEFAULT_RING_SIZE, FpmRelay
 
 if TYPE_CHECKING:
-    from enginectl.server.ledger import WeightVersionLedger
+    from enginectl.server.weights.ledger import WeightVersionLedger
 
 log = structlog.get_logger("enginectl.fpm")
 
@@ -46,18 +47,31 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 
 def add_fpm_relay_args(group: argparse._ArgumentGroup) -> None:
     """The relay's `enginectl serve` flags."""
-    group.add_argument("--fpm-ring-size", type=_at_least(1), default=DEFAULT_RING_SIZE,
-                       help=f"Forward-pass metrics samples kept for resuming streams (default {DEFAULT_RING_SIZE}).")
-    group.add_argument("--fpm-subscriber-queue", type=_at_least(2), default=DEFAULT_QUEUE_LIMIT,
-                       help="Samples queued per stream before it coalesces to the latest per "
-                       f"(worker_id, dp_rank) and counts the rest as missed (default {DEFAULT_QUEUE_LIMIT}).")
+    group.add_argument(
+        "--fpm-ring-size",
+        type=_at_least(1),
+        default=DEFAULT_RING_SIZE,
+        help=f"Forward-pass metrics samples kept for resuming streams (default {DEFAULT_RING_SIZE}).",
+    )
+    group.add_argument(
+        "--fpm-subscriber-queue",
+        type=_at_least(2),
+        default=DEFAULT_QUEUE_LIMIT,
+        help="Samples queued per stream before it coalesces to the latest per "
+        f"(worker_id, dp_rank) and counts the rest as missed (default {DEFAULT_QUEUE_LIMIT}).",
+    )
 
 
 class FpmRelayHost:
     """Owns the SUB socket and temp dir; feeds an FpmRelay from the control loop."""
 
-    def __init__(self, *, ring_size: int = DEFAULT_RING_SIZE, queue_limit: int = DEFAULT_QUEUE_LIMIT,
-                 require_identity: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        ring_size: int = DEFAULT_RING_SIZE,
+        queue_limit: int = DEFAULT_QUEUE_LIMIT,
+        require_identity: bool = False,
+    ) -> None:
         if ring_size < 1 or queue_limit < 2:
             raise ValueError("--fpm-ring-size must be >= 1 and --fpm-subscriber-queue >= 2")
         self._ring_size = ring_size
@@ -67,7 +81,7 @@ class FpmRelayHost:
         self.endpoint = f"ipc://{self._dir.name}/fpm.sock"
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.setsockopt(zmq.SUBSCRIBE, SUBSCRIBE_ALL)
         self._socket.setsockopt(zmq.RCVHWM, RCV_HWM)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.endpoint)
@@ -77,17 +91,12 @@ class FpmRelayHost:
 
     @classmethod
     def bind(cls, args: argparse.Namespace) -> FpmRelayHost:
-        """Bind before the engine starts and hand the endpoint to every EngineCore (merged
-        into `args.additional_config["enginectl"]`, other keys kept)."""
-        host = cls(
+        """Bind before the engine starts, so `endpoint` can go into every EngineCore's config."""
+        return cls(
             ring_size=args.fpm_ring_size,
             queue_limit=args.fpm_subscriber_queue,
             require_identity=bool(getattr(args, "await_worker_id", False)),
         )
-        if getattr(args, "additional_config", None) is None:
-            args.additional_config = {}
-        args.additional_config.setdefault("enginectl", {})["fpm_endpoint"] = host.endpoint
-        return host
 
     def start(self, ledger: WeightVersionLedger, *, export_metrics: bool = True) -> FpmRelay:
         """Build the relay (incarnation and revisions from `ledger`) and start draining the
@@ -105,8 +114,13 @@ class FpmRelayHost:
 
             register_fpm_metrics(relay)
         self.attach(relay)
-        log.info("fpm relay listening", endpoint=self.endpoint, ring_size=self._ring_size,
-                 queue_limit=self._queue_limit, require_identity=self._require_identity)
+        log.info(
+            "fpm relay listening",
+            endpoint=self.endpoint,
+            ring_size=self._ring_size,
+            queue_limit=self._queue_limit,
+            require_identity=self._require_identity,
+        )
         return relay
 
     def attach(self, relay: FpmRelay) -> None:

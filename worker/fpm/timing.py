@@ -3,7 +3,7 @@
 Runs inside each EngineCore process (driven by the FPM publisher), but is pure: no vLLM, no
 threads, no ZMQ; the clock is injected so the rule can be tested with a fake one.
 
-The rule (DESIGN §6):
+The rule (README.md "Worker identity", heartbeats):
 - a heartbeat is due once no sample (step or heartbeat) was made for `interval_s`, so an idle
   rank sends one every `interval_s`, and a rank stuck in one long step sends one every
   `interval_s` of that step;
@@ -27,8 +27,9 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 class HeartbeatTimer:
     """Tracks the last sample and the steps in flight of one rank."""
 
-    def __init__(self, interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if not interval_s > 0:
             raise ValueError(f"heartbeat interval must be > 0, got {interval_s}")
         self.interval_s = float(interval_s)

@@ -5,9 +5,10 @@ Runs inside each EngineCore process. Two threads touch it:
   processed (`step_finished`). A non-empty step becomes a STEP sample. This path never blocks: the sample goes into a bounded queue, and when the
   queue is full it is dropped and counted in the next published sample's
   `dropped_since_last`;
-- the publisher thread (owned here) drains the queue, builds and serializes the protobuf,
-  sends it on a ZMQ (X)PUB socket connected to the relay's `ipc://` endpoint, and makes a
-  HEARTBEAT sample whenever no sample was made for the heartbeat interval (HeartbeatTimer).
+- the publisher thread (owned here) drains the queue, builds the protobuf and sends it as a
+  frame (contract/fpm.py) on a ZMQ XPUB socket connected to the relay's `ipc://` endpoint, and
+  makes a HEARTBEAT sample whenever no sample was made for the heartbeat interval
+  (HeartbeatTimer).
 
 Every sample is stamped, when it is made, with the identity held in the one WorkerIdentity
 of the rank, and gets the next `counter_id` (from 1, dropped samples included).
@@ -15,29 +16,26 @@ of the rank, and gets the next `counter_id` (from 1, dropped samples included).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import zmq
 
+from enginectl.contract.engine import EngineConfig
+from enginectl.contract.fpm import SCHEMA_VERSION, sample_frame
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
-from enginectl.worker.fpm_identity import IdentityState, WorkerIdentity
-from enginectl.worker.fpm_load import EMPTY_QUEUE, NO_STEP, QueuedLoad, ScheduledLoad
-from enginectl.worker.fpm_timing import DEFAULT_HEARTBEAT_INTERVAL_S, HeartbeatTimer
+from enginectl.worker.fpm.identity import IdentityState, WorkerIdentity
+from enginectl.worker.fpm.load import EMPTY_QUEUE, NO_STEP, QueuedLoad, ScheduledLoad
+from enginectl.worker.fpm.timing import DEFAULT_HEARTBEAT_INTERVAL_S, HeartbeatTimer
 
 log = logging.getLogger("enginectl.worker.fpm")
 
-SCHEMA_VERSION = 1
-CONFIG_KEY = "enginectl"  # vllm_config.additional_config[CONFIG_KEY] (the serve <-> worker contract)
-ENGINE_CONFIG_ENV = "ENGINECTL_ENGINE_CONFIG"  # the same section as JSON; serve.py sets it
 DEFAULT_QUEUE_SIZE = 4096
 SEND_HWM = 4096
 CLOSE_TIMEOUT_S = 2.0
@@ -51,29 +49,21 @@ ACTIVE_WINDOW_S = 0.1
 
 @dataclass(frozen=True)
 class PublisherConfig:
-    """What `enginectl serve` hands every EngineCore through vLLM's additional_config."""
+    """One rank's publisher settings, from the EngineConfig `enginectl serve` hands it."""
 
     endpoint: str  # the relay's ZMQ SUB endpoint; "" publishes nothing
-    worker_id: str = ""
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     incarnation: str = ""
     queue_size: int = DEFAULT_QUEUE_SIZE
 
     @classmethod
-    def from_additional_config(cls, additional: Any) -> PublisherConfig:
-        """From `$ENGINECTL_ENGINE_CONFIG` (JSON; what `enginectl serve` hands over, outside
-        vLLM's compile-cache key), else from `additional_config["enginectl"]`."""
-        section: Mapping[str, Any] = {}
-        if os.environ.get(ENGINE_CONFIG_ENV):
-            section = json.loads(os.environ[ENGINE_CONFIG_ENV])
-        elif isinstance(additional, Mapping):
-            section = additional.get(CONFIG_KEY) or {}
+    def from_engine_config(cls, config: EngineConfig) -> PublisherConfig:
+        """The publisher's part of `config`, with the defaults where it leaves one open."""
         return cls(
-            endpoint=str(section.get("fpm_endpoint") or ""),
-            worker_id=str(section.get("worker_id") or ""),
-            heartbeat_interval_s=float(section.get("heartbeat_interval_s") or DEFAULT_HEARTBEAT_INTERVAL_S),
+            endpoint=config.fpm_endpoint,
+            heartbeat_interval_s=config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S,
             # Never empty on the wire: a server that did not choose one still gets a unique id.
-            incarnation=str(section.get("incarnation") or secrets.token_hex(8)),
+            incarnation=config.incarnation or secrets.token_hex(8),
         )
 
 
@@ -81,7 +71,7 @@ class Sample(NamedTuple):
     """A sample as made on the engine or heartbeat path, before it becomes a protobuf (a
     NamedTuple: cheap to build on the engine thread)."""
 
-    kind: int
+    kind: fpm_pb2.SampleKind.ValueType
     counter_id: int
     identity: IdentityState
     emit_time_ns: int
@@ -173,17 +163,36 @@ class FpmPublisher:
                 self._make(fpm_pb2.SAMPLE_KIND_STEP, wall_time, False, scheduled, num_running, num_waiting)
 
     # -- both threads, under the lock ------------------------------------------------------
-    def _make(self, kind: int, wall_time: float, idle: bool, scheduled: ScheduledLoad,
-              num_running: int, num_waiting: int) -> None:
+    def _make(
+        self,
+        kind: fpm_pb2.SampleKind.ValueType,
+        wall_time: float,
+        idle: bool,
+        scheduled: ScheduledLoad,
+        num_running: int,
+        num_waiting: int,
+    ) -> None:
         self._counter += 1
         self._timer.sample_made()
         if len(self._queue) >= self.config.queue_size:
             self._dropped += 1
             return
-        self._queue.append(Sample(
-            kind, self._counter, self.identity.current, time.time_ns(), wall_time, idle, scheduled,
-            self._last_queued, self._last_kv_usage, num_running, num_waiting, self._dropped,
-        ))
+        self._queue.append(
+            Sample(
+                kind,
+                self._counter,
+                self.identity.current,
+                time.time_ns(),
+                wall_time,
+                idle,
+                scheduled,
+                self._last_queued,
+                self._last_kv_usage,
+                num_running,
+                num_waiting,
+                self._dropped,
+            )
+        )
         self._dropped = 0
         if self._sleeping:
             with self._wake:
@@ -256,7 +265,7 @@ class FpmPublisher:
         # Samples leave in counter order, so send failures add up exactly into the next one.
         msg.dropped_since_last += self._send_drops
         try:
-            sock.send(msg.SerializeToString(), zmq.NOBLOCK)
+            sock.send(sample_frame(msg), zmq.NOBLOCK)
         except zmq.Again:  # the relay is not reading fast enough: a drop like a full queue
             self._send_drops = msg.dropped_since_last + 1
         else:

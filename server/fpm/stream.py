@@ -2,7 +2,7 @@
 
 Runs in the `enginectl serve` process, on the control loop. Thin on purpose: it validates
 the request, translates it into a relay subscription, and turns what the subscription
-hands out into batch and progress messages; the rules live in fpm_relay.py.
+hands out into batch and progress messages; the rules live in relay.py.
 
 Batches go out pre-encoded: each sample's wire form is built once by the relay and shared
 by every stream, and a batch message is their concatenation (the same bytes protobuf would
@@ -17,12 +17,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from enginectl.fpm.v1 import (
-    forward_pass_metrics_service_pb2 as pb2,
-    forward_pass_metrics_service_pb2_grpc as pb2_grpc,
-)
-from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
-from enginectl.server.fpm_relay import FpmRelay, Relayed, RelayClosed, SampleFilter, varint
+from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as pb2
+from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as pb2_grpc
+from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, out_of_range
+from enginectl.server.fpm.relay import FpmRelay, RelayClosed, Relayed, SampleFilter, varint
 from enginectl.server.limits import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, MAX_FILTER_ENTRIES, MAX_WORKER_ID_BYTES
 
 # A stream that sent nothing for this long sends a progress message.
@@ -47,17 +45,22 @@ def parse_filter(request: pb2.StreamForwardPassMetricsRequest) -> SampleFilter:
     dp_ranks = list(request.filter.dp_ranks)
     for field, values in (("filter.worker_ids", worker_ids), ("filter.dp_ranks", dp_ranks)):
         if len(values) > MAX_FILTER_ENTRIES:
-            raise invalid_field(Reason.FILTER_INVALID, field,
-                                f"{len(values)} entries; at most {MAX_FILTER_ENTRIES} allowed")
+            raise invalid_field(
+                Reason.FILTER_INVALID, field, f"{len(values)} entries; at most {MAX_FILTER_ENTRIES} allowed"
+            )
     for i, worker_id in enumerate(worker_ids):
         size = len(worker_id.encode("utf-8"))
         if not 1 <= size <= MAX_WORKER_ID_BYTES:
-            raise invalid_field(Reason.FILTER_INVALID, f"filter.worker_ids[{i}]",
-                                f"{size} bytes of UTF-8; 1 to {MAX_WORKER_ID_BYTES} allowed")
+            raise invalid_field(
+                Reason.FILTER_INVALID,
+                f"filter.worker_ids[{i}]",
+                f"{size} bytes of UTF-8; 1 to {MAX_WORKER_ID_BYTES} allowed",
+            )
     for i, rank in enumerate(dp_ranks):
         if rank < 0:
-            raise invalid_field(Reason.FILTER_INVALID, f"filter.dp_ranks[{i}]",
-                                f"{rank} is negative; ranks count from 0")
+            raise invalid_field(
+                Reason.FILTER_INVALID, f"filter.dp_ranks[{i}]", f"{rank} is negative; ranks count from 0"
+            )
     return SampleFilter(
         worker_ids=frozenset(worker_ids) or None,
         dp_ranks=frozenset(dp_ranks) or None,
@@ -67,8 +70,11 @@ def parse_filter(request: pb2.StreamForwardPassMetricsRequest) -> SampleFilter:
 
 def parse_batch_size(request: pb2.StreamForwardPassMetricsRequest) -> int:
     if request.max_batch_size > MAX_BATCH_SIZE:
-        raise invalid_field(Reason.MAX_BATCH_SIZE_TOO_LARGE, "max_batch_size",
-                            f"{request.max_batch_size}; at most {MAX_BATCH_SIZE} allowed")
+        raise invalid_field(
+            Reason.MAX_BATCH_SIZE_TOO_LARGE,
+            "max_batch_size",
+            f"{request.max_batch_size}; at most {MAX_BATCH_SIZE} allowed",
+        )
     return request.max_batch_size or DEFAULT_BATCH_SIZE
 
 
@@ -87,18 +93,28 @@ class ForwardPassMetricsServicer(pb2_grpc.ForwardPassMetricsServiceServicer):
             request_deserializer=pb2.StreamForwardPassMetricsRequest.FromString,
             response_serializer=_serialize,
         )
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "enginectl.fpm.v1.ForwardPassMetricsService", {"StreamForwardPassMetrics": handler}
-        ),))
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "enginectl.fpm.v1.ForwardPassMetricsService", {"StreamForwardPassMetrics": handler}
+                ),
+            )
+        )
 
     def _progress(self, sequence: int) -> pb2.StreamForwardPassMetricsResponse:
         relay = self._relay
-        return pb2.StreamForwardPassMetricsResponse(progress=pb2.ForwardPassMetricsProgress(
-            sequence=sequence, head_sequence=relay.head, oldest_sequence=relay.oldest,
-            incarnation=relay.incarnation,
-        ))
+        return pb2.StreamForwardPassMetricsResponse(
+            progress=pb2.ForwardPassMetricsProgress(
+                sequence=sequence,
+                head_sequence=relay.head,
+                oldest_sequence=relay.oldest,
+                incarnation=relay.incarnation,
+            )
+        )
 
-    async def StreamForwardPassMetrics(
+    # Also yields pre-encoded batches (bytes), which the serializer of `add_to_server` passes
+    # through: wider than the generated stub's return type.
+    async def StreamForwardPassMetrics(  # type: ignore[override]
         self, request: pb2.StreamForwardPassMetricsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes | pb2.StreamForwardPassMetricsResponse]:
         relay = self._relay
@@ -108,13 +124,12 @@ class ForwardPassMetricsServicer(pb2_grpc.ForwardPassMetricsServiceServicer):
         if request.HasField("resume_after_sequence"):
             resume_after = request.resume_after_sequence
             if request.resume_incarnation and request.resume_incarnation != relay.incarnation:
-                raise ControlPlaneError(
-                    grpc.StatusCode.OUT_OF_RANGE,
+                raise out_of_range(
                     Reason.INCARNATION_CHANGED,
                     # Echo a bounded prefix: the whole status must fit in gRPC's trailers (8 KiB).
                     f"resume_incarnation {request.resume_incarnation[:64]!r} is not this server's "
                     f"({relay.incarnation!r}): it restarted and sequences count afresh",
-                    metadata={"incarnation": relay.incarnation},
+                    incarnation=relay.incarnation,
                 )
         try:
             subscription = relay.subscribe(sample_filter, resume_after)

@@ -6,7 +6,7 @@ it builds a subclass of exactly the scheduler vLLM would otherwise use (`AsyncSc
 when async scheduling is on, `Scheduler` otherwise), so scheduling itself is unchanged.
 
 Importing this module also attaches the identity utilities to vLLM's EngineCore
-(fpm_engine_core.py), so they exist in every process that runs this scheduler.
+(engine_core.py here), so they exist in every process that runs this scheduler.
 """
 
 from __future__ import annotations
@@ -17,17 +17,18 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-import enginectl.worker.fpm_engine_core  # noqa: F401  (attaches the EngineCore utilities)
-import enginectl.worker.engine_utilities  # noqa: F401  (generation state, for weight updates)
-from enginectl.worker.fpm_identity import WorkerIdentity
-from enginectl.worker.fpm_load import queued_load, scheduled_load
-from enginectl.worker.fpm_publisher import FpmPublisher, PublisherConfig
+import enginectl.worker.engine_core  # (generation state, for weight updates)
+import enginectl.worker.fpm.engine_core  # noqa: F401  (attaches the identity utilities)
+from enginectl.contract.engine import EngineConfig
+from enginectl.worker.fpm.identity import WorkerIdentity
+from enginectl.worker.fpm.load import queued_load, scheduled_load
+from enginectl.worker.fpm.publisher import FpmPublisher, PublisherConfig
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ModelRunnerOutput
 
-    from enginectl.worker.fpm_load import ScheduledLoad
+    from enginectl.worker.fpm.load import ScheduledLoad
 
 
 class FpmScheduler(Scheduler):
@@ -40,8 +41,9 @@ class FpmScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        config = PublisherConfig.from_additional_config(self.vllm_config.additional_config)
-        self.fpm_identity = WorkerIdentity(config.worker_id)
+        engine_config = EngineConfig.load(self.vllm_config.additional_config)
+        config = PublisherConfig.from_engine_config(engine_config)
+        self.fpm_identity = WorkerIdentity(engine_config.worker_id)
         self.fpm_dp_rank = int(self.vllm_config.parallel_config.data_parallel_index)
         # Scheduled outputs whose model output is not processed yet (the batch queue may hold
         # two): id -> (output, start, its metrics or None when empty). The output is kept so
@@ -50,7 +52,10 @@ class FpmScheduler(Scheduler):
         self.fpm_publisher = None
         if config.endpoint:
             self.fpm_publisher = FpmPublisher(
-                config, dp_rank=self.fpm_dp_rank, identity=self.fpm_identity, activity=self._fpm_activity,
+                config,
+                dp_rank=self.fpm_dp_rank,
+                identity=self.fpm_identity,
+                activity=self._fpm_activity,
             ).start()
 
     def _fpm_activity(self) -> tuple[int, int, int]:
@@ -65,14 +70,13 @@ class FpmScheduler(Scheduler):
         if self.fpm_publisher is not None:
             load = (
                 scheduled_load(output.num_scheduled_tokens, self.requests)
-                if output.total_num_scheduled_tokens > 0 else None
+                if output.total_num_scheduled_tokens > 0
+                else None
             )
             self._fpm_pending[id(output)] = (output, start, load)
         return output
 
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> Any:
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         pending = self._fpm_pending.pop(id(scheduler_output), None)
         if pending is not None and self.fpm_publisher is not None:
@@ -80,8 +84,12 @@ class FpmScheduler(Scheduler):
             # The same queues as get_request_counts(), read once.
             queued = queued_load(self.waiting, self.kv_holding_waiting)
             self.fpm_publisher.step_finished(  # positional: this runs every step
-                time.perf_counter() - start, load, queued, self.get_kv_cache_usage(),
-                len(self.running), queued.num_prefill_requests + queued.num_decode_requests,
+                time.perf_counter() - start,
+                load,
+                queued,
+                self.get_kv_cache_usage(),
+                len(self.running),
+                queued.num_prefill_requests + queued.num_decode_requests,
             )
         return outputs
 

@@ -4,7 +4,8 @@ Runs in the `enginectl serve` process, on the control loop. The rules of FpmIden
 (protos/enginectl/fpm/v1/fpm_identity_service.proto) live here, the servicer only
 translates protos: input bounds, one change at a time, the new generation (one above the
 highest any rank holds, the same on every rank), the safe retry, and per-rank outcomes,
-each rank called on its own (EngineAdapter.call_each) so a rank that fails or hangs is named.
+each rank called on its own (EngineAdapter.get_worker_identity / set_worker_identity) so a
+rank that fails or hangs is named.
 """
 
 from __future__ import annotations
@@ -12,44 +13,35 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
+from enginectl.contract.engine import RankFailure, RankIdentity
 from enginectl.fpm.v1 import fpm_identity_service_pb2 as pb2
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
-from enginectl.server.limits import (
-    DEFAULT_GET_IDENTITY_TIMEOUT_S as DEFAULT_GET_TIMEOUT_S,
-    DEFAULT_SET_IDENTITY_TIMEOUT_S as DEFAULT_SET_TIMEOUT_S,
-    MAX_IDENTITY_TIMEOUT_S as MAX_TIMEOUT_S,
-    MAX_WORKER_ID_BYTES,
-    LabelProblem,
-    label_problem,
-)
-from enginectl.worker.fpm_identity import GET_IDENTITY_UTILITY, SET_IDENTITY_UTILITY
+from enginectl.server.limits import MAX_IDENTITY_TIMEOUT_S, MAX_WORKER_ID_BYTES, LabelProblem, label_problem
 
 if TYPE_CHECKING:
     from enginectl.server.engine import RankOutcome
 
 
-class RankCaller(Protocol):
-    """What IdentitySync needs of the engine (EngineAdapter)."""
+class IdentityEngine(Protocol):
+    """What IdentitySync needs of the engine (EngineAdapter): per-rank outcomes, each rank
+    bounded by `timeout` on its own."""
 
-    async def call_each(self, method: str, *args: Any, timeout: float) -> list[RankOutcome]: ...
+    async def get_worker_identity(self, timeout: float) -> list[RankOutcome[RankIdentity]]: ...
+
+    async def set_worker_identity(
+        self, worker_id: str, generation: int, timeout: float
+    ) -> list[RankOutcome[RankIdentity]]: ...
 
 
-@dataclass(frozen=True)
-class RankIdentity:
-    """The identity one rank holds (generation 0: none was ever set)."""
-
-    dp_rank: int
-    worker_id: str
-    generation: int
-
-    def proto(self) -> pb2.RankIdentity:
-        return pb2.RankIdentity(
-            dp_rank=self.dp_rank, worker_id=self.worker_id, identity_generation=self.generation
-        )
+def rank_proto(rank: RankIdentity) -> pb2.RankIdentity:
+    """The proto of one rank's identity (generation 0: none was ever set)."""
+    return pb2.RankIdentity(
+        dp_rank=rank.dp_rank, worker_id=rank.worker_id, identity_generation=rank.identity_generation
+    )
 
 
 @dataclass(frozen=True)
@@ -62,8 +54,9 @@ class IdentityReport:
     @property
     def consistent(self) -> bool:
         """Every rank holds the same non-empty worker id at the same generation."""
-        return bool(self.ranks) and all(
-            r.worker_id and (r.worker_id, r.generation) == (self.ranks[0].worker_id, self.ranks[0].generation)
+        first = self.ranks[0] if self.ranks else None
+        return first is not None and all(
+            r.worker_id and (r.worker_id, r.identity_generation) == (first.worker_id, first.identity_generation)
             for r in self.ranks
         )
 
@@ -85,14 +78,25 @@ def check_timeout(seconds: float | None, default: float) -> float:
     """The timeout to use: `default` when unset; INVALID_ARGUMENT unless 0 < seconds <= 300."""
     if seconds is None:
         return default
-    if not 0 < seconds <= MAX_TIMEOUT_S:
-        raise invalid_field(Reason.TIMEOUT_INVALID, "timeout", f"must be more than 0 and at most {MAX_TIMEOUT_S:.0f}s")
+    if not 0 < seconds <= MAX_IDENTITY_TIMEOUT_S:
+        raise invalid_field(
+            Reason.TIMEOUT_INVALID, "timeout", f"must be more than 0 and at most {MAX_IDENTITY_TIMEOUT_S:.0f}s"
+        )
     return seconds
 
 
-def _rank_identity(outcome: RankOutcome) -> RankIdentity:
-    answer = outcome.result
-    return RankIdentity(int(answer["dp_rank"]), str(answer["worker_id"]), int(answer["identity_generation"]))
+def _acked(outcomes: list[RankOutcome[RankIdentity]]) -> list[RankIdentity]:
+    """The identities of the ranks that answered, in rank order."""
+    return [o.result for o in outcomes if o.failure is None and o.result is not None]
+
+
+def _failed(outcomes: list[RankOutcome[RankIdentity]]) -> list[RankOutcome[RankIdentity]]:
+    return [o for o in outcomes if o.failure is not None]
+
+
+def _failure(outcome: RankOutcome[RankIdentity]) -> str:
+    """The outcome's failure reason as it goes on the wire (RANK_TIMEOUT, ...)."""
+    return outcome.failure.value if outcome.failure is not None else ""
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -103,8 +107,9 @@ class IdentitySync:
     """One per server. `on_outcome(ok)` hears about every SetWorkerIdentity that reached the
     ranks (True: all acked), e.g. to gate health in `--await-worker-id` mode."""
 
-    def __init__(self, engine: RankCaller, *, await_worker_id: bool = False,
-                 on_outcome: Callable[[bool], None] | None = None) -> None:
+    def __init__(
+        self, engine: IdentityEngine, *, await_worker_id: bool = False, on_outcome: Callable[[bool], None] | None = None
+    ) -> None:
         self._engine = engine
         self.await_worker_id = await_worker_id
         self._on_outcome = on_outcome
@@ -112,18 +117,18 @@ class IdentitySync:
 
     async def get(self, timeout: float) -> IdentityReport:
         """Ask every rank for the identity it holds now."""
-        outcomes = await self._engine.call_each(GET_IDENTITY_UTILITY, timeout=timeout)
-        failed = [o for o in outcomes if o.failure]
+        outcomes = await self._engine.get_worker_identity(timeout)
+        failed = _failed(outcomes)
         if failed:
-            timed_out = any(o.failure == "RANK_TIMEOUT" for o in failed)
+            timed_out = any(o.failure is RankFailure.RANK_TIMEOUT for o in failed)
             raise ControlPlaneError(
                 grpc.StatusCode.DEADLINE_EXCEEDED if timed_out else grpc.StatusCode.UNAVAILABLE,
                 Reason.IDENTITY_READ_FAILED,
                 "ranks did not report their identity: "
-                + "; ".join(f"rank {o.dp_rank}: {o.failure} {o.message}" for o in failed),
+                + "; ".join(f"rank {o.dp_rank}: {_failure(o)} {o.message}" for o in failed),
                 metadata={"failed_ranks": _ranks([o.dp_rank for o in failed])},
             )
-        return IdentityReport(tuple(_rank_identity(o) for o in outcomes), self.await_worker_id)
+        return IdentityReport(tuple(_acked(outcomes)), self.await_worker_id)
 
     async def set(self, worker_id: str, timeout: float) -> list[RankIdentity]:
         """Make every rank hold `worker_id` at one new generation; returns the acks, in rank
@@ -133,21 +138,21 @@ class IdentitySync:
         async with self._lock:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
-            held = await self._engine.call_each(GET_IDENTITY_UTILITY, timeout=timeout)
-            failed = [o for o in held if o.failure]
-            known = [_rank_identity(o) for o in held if not o.failure]
-            generation = max((r.generation for r in known), default=0) + 1
+            held = await self._engine.get_worker_identity(timeout)
+            failed = _failed(held)
+            known = _acked(held)
+            generation = max((r.identity_generation for r in known), default=0) + 1
             if not failed and all(
-                (r.worker_id, r.generation) == (worker_id, known[0].generation) for r in known
+                (r.worker_id, r.identity_generation) == (worker_id, known[0].identity_generation) for r in known
             ):
                 self._report(True)  # every rank already holds it: a safe retry
                 return known
             if not failed:
-                acks = await self._engine.call_each(
-                    SET_IDENTITY_UTILITY, worker_id, generation, timeout=max(0.0, deadline - loop.time())
+                acks = await self._engine.set_worker_identity(
+                    worker_id, generation, timeout=max(0.0, deadline - loop.time())
                 )
-                failed = [o for o in acks if o.failure]
-                known = [_rank_identity(o) for o in acks if not o.failure]
+                failed = _failed(acks)
+                known = _acked(acks)
             else:
                 known = []  # nothing was set: no rank acked this change
             self._report(not failed)
@@ -160,22 +165,22 @@ class IdentitySync:
             self._on_outcome(ok)
 
 
-def _sync_failed(worker_id: str, generation: int, acked: list[RankIdentity],
-                 failed: list[RankOutcome]) -> ControlPlaneError:
-    timed_out = any(o.failure == "RANK_TIMEOUT" for o in failed)
+def _sync_failed(
+    worker_id: str, generation: int, acked: list[RankIdentity], failed: list[RankOutcome[RankIdentity]]
+) -> ControlPlaneError:
+    timed_out = any(o.failure is RankFailure.RANK_TIMEOUT for o in failed)
     detail = pb2.IdentitySyncFailure(
         worker_id=worker_id,
         identity_generation=generation,
-        acked=[r.proto() for r in acked],
-        failed=[pb2.RankIdentityError(dp_rank=o.dp_rank, reason=o.failure, message=o.message[:1000])
-                for o in failed],
+        acked=[rank_proto(r) for r in acked],
+        failed=[pb2.RankIdentityError(dp_rank=o.dp_rank, reason=_failure(o), message=o.message[:1000]) for o in failed],
     )
     return ControlPlaneError(
         grpc.StatusCode.DEADLINE_EXCEEDED if timed_out else grpc.StatusCode.UNAVAILABLE,
         Reason.IDENTITY_SYNC_FAILED,
         f"worker identity {worker_id!r} (generation {generation}) was not applied on ranks "
         f"{_ranks([o.dp_rank for o in failed])}: "
-        + "; ".join(f"rank {o.dp_rank}: {o.failure} {o.message[:200]}" for o in failed),
+        + "; ".join(f"rank {o.dp_rank}: {_failure(o)} {o.message[:200]}" for o in failed),
         metadata={
             "failed_ranks": _ranks([o.dp_rank for o in failed]),
             "acked_ranks": _ranks([r.dp_rank for r in acked]),

@@ -1,11 +1,12 @@
 """FpmRelay: the server-wide sequence, ring buffer and fan-out of forward-pass metrics.
 
 Runs in the `enginectl serve` process, on the control loop (one thread: nothing here is
-locked). Pure Python: no ZMQ, no gRPC server, no vLLM. Frames come in through `accept`
-(fpm_relay_zmq.py feeds it from the ranks' publishers) and leave through `Subscription`s
-(fpm_stream.py serves them over gRPC).
+locked). Pure Python: no ZMQ, no gRPC server, no vLLM. Frames (contract/fpm.py) come in
+through `accept` (relay_zmq.py feeds it from the ranks' publishers) and leave through
+`Subscription`s (stream.py serves them over gRPC).
 
-Rules (DESIGN §6, forward_pass_metrics_service.proto):
+Rules (README.md "Forward-pass metrics: the stream and the planner", and
+forward_pass_metrics_service.proto):
 - Every accepted sample gets the next `sequence` (1, 2, ...) and the ledger's current
   `weight_revision`, and enters a ring of the newest `ring_size` samples.
 - With `require_identity` (the server runs with `--await-worker-id`), a sample with an empty
@@ -25,12 +26,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
-from google.protobuf.message import DecodeError
-
+from enginectl.contract.fpm import MalformedFrame, read_sample
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1.forward_pass_metrics_pb2 import ForwardPassMetrics as Sample
-from enginectl.server.errors import ControlPlaneError, Reason
+from enginectl.server.errors import ControlPlaneError, Reason, out_of_range
 
 DEFAULT_RING_SIZE = 10_000
 DEFAULT_QUEUE_LIMIT = 4_096
@@ -178,7 +177,7 @@ class Subscription:
             latest[(relayed.sample.worker_id, relayed.sample.dp_rank)] = relayed
         kept = sorted(latest.values(), key=lambda r: r.sample.sequence)
         # More distinct keys than the queue holds (a tiny limit): drop the oldest keys too.
-        kept = kept[len(kept) - self._limit + 1:] if len(kept) >= self._limit else kept
+        kept = kept[len(kept) - self._limit + 1 :] if len(kept) >= self._limit else kept
         lost = len(self._queue) - len(kept)
         self._queue = deque(kept)
         self._missed += lost
@@ -283,11 +282,8 @@ class FpmRelay:
         as relayed, or None if it was dropped (malformed, or unattributed while identity is
         required)."""
         try:
-            sample = Sample.FromString(frame)
-        except DecodeError:
-            self.stats.dropped_malformed += 1
-            return None
-        if sample.schema_version == 0:
+            sample = read_sample(frame)
+        except MalformedFrame:
             self.stats.dropped_malformed += 1
             return None
         if self.require_identity and not sample.worker_id:
@@ -313,12 +309,12 @@ class FpmRelay:
         cursor = None
         if resume_after is not None:
             if resume_after > self.ring.head:
-                raise ControlPlaneError(
-                    grpc.StatusCode.OUT_OF_RANGE,
+                raise out_of_range(
                     Reason.SEQUENCE_IN_FUTURE,
                     f"resume_after_sequence {resume_after} is ahead of the newest sequence "
                     f"{self.ring.head} (from an earlier incarnation?)",
-                    metadata={"head_sequence": str(self.ring.head), "incarnation": self.incarnation},
+                    head_sequence=str(self.ring.head),
+                    incarnation=self.incarnation,
                 )
             if resume_after < self.ring.head:
                 if resume_after + 1 < self.ring.oldest:
@@ -331,17 +327,14 @@ class FpmRelay:
         return subscription
 
     def evicted(self, resume_after: int) -> ControlPlaneError:
-        return ControlPlaneError(
-            grpc.StatusCode.OUT_OF_RANGE,
+        return out_of_range(
             Reason.SEQUENCE_EVICTED,
             f"samples after sequence {resume_after} are no longer kept (the oldest kept is "
             f"{self.ring.oldest}); subscribe again without resume_after_sequence, or after "
             f"oldest_sequence - 1",
-            metadata={
-                "oldest_sequence": str(self.ring.oldest),
-                "head_sequence": str(self.ring.head),
-                "incarnation": self.incarnation,
-            },
+            oldest_sequence=str(self.ring.oldest),
+            head_sequence=str(self.ring.head),
+            incarnation=self.incarnation,
         )
 
     def close(self, reason: str = Reason.SHUTTING_DOWN, message: str = "server is shutting down") -> None:

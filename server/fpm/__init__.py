@@ -1,0 +1,1 @@
+"""Forward-pass metrics in the `enginectl serve` process: the relay, its stream and the worker identity."""

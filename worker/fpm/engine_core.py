@@ -1,0 +1,53 @@
+"""Worker-identity utilities of vLLM's EngineCore, attached to the class at import.
+
+Runs inside each EngineCore process (imported by scheduler.py, which the EngineCore loads as
+its scheduler). The `enginectl serve` process calls them on every rank by their names in the
+engine contract (Utility.SET_WORKER_IDENTITY, Utility.GET_WORKER_IDENTITY in
+contract/engine.py; server/engine.py makes the calls); they run on the engine thread, between
+steps. Each returns the rank's resulting identity, a RankIdentity in wire form.
+
+An EngineCore that runs another scheduler has no identity: the utilities raise, and the
+server reports that rank as failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.engine.core import EngineCore
+
+from enginectl.contract.engine import RankIdentity, Utility, wire
+
+
+def _fpm_scheduler(core: EngineCore) -> Any:
+    scheduler = core.scheduler
+    if getattr(scheduler, "fpm_identity", None) is None:
+        raise RuntimeError(
+            f"this EngineCore runs {type(scheduler).__name__}, not enginectl's scheduler: it has no worker identity"
+        )
+    return scheduler
+
+
+def _answer(scheduler: Any) -> Any:
+    state = scheduler.fpm_identity.current
+    return wire(
+        RankIdentity(dp_rank=scheduler.fpm_dp_rank, worker_id=state.worker_id, identity_generation=state.generation)
+    )
+
+
+def set_worker_identity(self: EngineCore, worker_id: str, generation: int) -> Any:
+    """Make this rank stamp `worker_id` at `generation` on every sample it makes from now on
+    (steps and heartbeats alike). `generation` must be above the held one, unless the rank
+    already holds exactly this identity (then nothing changes)."""
+    scheduler = _fpm_scheduler(self)
+    scheduler.fpm_identity.set(str(worker_id), int(generation))
+    return _answer(scheduler)
+
+
+def get_worker_identity(self: EngineCore) -> Any:
+    """The identity this rank holds now."""
+    return _answer(_fpm_scheduler(self))
+
+
+setattr(EngineCore, Utility.SET_WORKER_IDENTITY.value, set_worker_identity)
+setattr(EngineCore, Utility.GET_WORKER_IDENTITY.value, get_worker_identity)
