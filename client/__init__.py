@@ -1,9 +1,9 @@
-"""enginectl client: typed access to an enginectl server. Needs neither torch nor vLLM.
+"""enginectl client: typed access to the enginectl API. Needs neither torch nor vLLM.
 
-    from enginectl.client import Client
-    with Client("127.0.0.1:50051") as c:
-        c.set_weight_version("step-42")
-        print(c.get_weight_version())
+from enginectl.client import Client
+with Client("127.0.0.1:50051") as c:
+    c.set_weight_version("step-42")
+    print(c.get_weight_version())
 """
 
 from enginectl.client.client import AsyncClient, ChannelConfig, Client
@@ -31,14 +31,8 @@ from enginectl.client.planner import (
     Reconciliation,
     Verdict,
 )
-from enginectl.client.trainer import (
-    AsyncBroadcast,
-    AsyncTrainerClient,
-    Broadcast,
-    ProgressBar,
-    TrainerClient,
-    WeightsUpdateGroup,
-)
+from enginectl.client.progress import ProgressBar
+from enginectl.client.trainer import AsyncBroadcast, AsyncTrainerClient, Broadcast, TrainerClient
 from enginectl.client.trainer_types import (
     GenerationState,
     PauseResult,
@@ -47,6 +41,7 @@ from enginectl.client.trainer_types import (
     UpdateProgress,
     UpdateResult,
     Verification,
+    WeightsUpdateGroup,
 )
 from enginectl.client.types import UpdateFailure, WeightSource, WeightVersion
 

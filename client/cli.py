@@ -1,7 +1,7 @@
-"""The `enginectl` command: `serve` runs a server; the other commands talk to one.
+"""The client commands of `enginectl`: they talk to a server, and need only `pip install enginectl`.
 
-`enginectl serve ...` needs the server extra (`pip install 'enginectl[server-cpu]'`); the
-client commands need only `pip install enginectl`.
+The `enginectl` command itself is `enginectl.cli.main`: it runs `serve` (the server extra) and
+hands every other command to `main` here, which never imports the server.
 """
 
 from __future__ import annotations
@@ -12,7 +12,25 @@ import os
 import sys
 from dataclasses import asdict
 from datetime import datetime
-from typing import Any
+from typing import TypeAlias
+
+from enginectl.client.client import Client
+from enginectl.client.errors import EnginectlError
+from enginectl.client.trainer import TrainerClient
+from enginectl.client.trainer_types import (
+    GenerationState,
+    PauseResult,
+    ServerInfo,
+    UpdateOperation,
+    UpdateResult,
+    Verification,
+)
+from enginectl.client.types import WeightVersion
+
+# What a command prints, as one JSON line.
+Printable: TypeAlias = (
+    UpdateResult | UpdateOperation | Verification | ServerInfo | GenerationState | PauseResult | WeightVersion
+)
 
 USAGE = """usage: enginectl serve [vLLM and enginectl flags]   (enginectl serve --help)
        enginectl [--target HOST:PORT] version get
@@ -27,8 +45,8 @@ USAGE = """usage: enginectl serve [vLLM and enginectl flags]   (enginectl serve 
 """
 
 
-def _json(value: Any) -> str:
-    def default(obj: Any) -> Any:
+def _json(value: Printable) -> str:
+    def default(obj: object) -> str:
         if isinstance(obj, datetime):
             return obj.isoformat()
         return str(obj)
@@ -63,21 +81,28 @@ def _client_parser() -> argparse.ArgumentParser:
     generation = sub.add_parser("generation", help="pause and resume").add_subparsers(dest="verb", required=True)
     generation.add_parser("state")
     generation.add_parser("pause").add_argument("--mode", choices=("keep", "abort", "wait"), default="keep")
-    generation.add_parser("resume").add_argument("--force", action="store_true",
-                                                 help="resume even over a partial update's mixed weights")
+    generation.add_parser("resume").add_argument(
+        "--force", action="store_true", help="resume even over a partial update's mixed weights"
+    )
     operation = sub.add_parser("operation", help="weight-update operations").add_subparsers(dest="verb", required=True)
     for verb in ("get", "wait", "cancel"):
         operation.add_parser(verb).add_argument("name")
     return parser
 
 
-def _trainer_command(client: Any, args: argparse.Namespace) -> Any:
+def _trainer_command(client: TrainerClient, args: argparse.Namespace) -> Printable | None:
     """Run a weights/generation/operation command; returns what to print (or None)."""
     if args.resource == "weights":
         if args.verb == "load":
             return client.update_weights_from_disk(
-                args.path, args.version, pause_mode=args.pause_mode, reset_prefix_cache=not args.keep_prefix_cache,
-                timeout=args.update_timeout, progress=sys.stderr.isatty(), wait=not args.no_wait)
+                args.path,
+                args.version,
+                pause_mode=args.pause_mode,
+                reset_prefix_cache=not args.keep_prefix_cache,
+                timeout=args.update_timeout,
+                progress=sys.stderr.isatty(),
+                wait=not args.no_wait,
+            )
         if args.verb == "verify":
             return client.verify_weights(full=args.full)
         return client.get_server_info()
@@ -96,18 +121,15 @@ def _trainer_command(client: Any, args: argparse.Namespace) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The client commands of `enginectl` (see USAGE); `serve` is `enginectl.cli.main`'s."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        try:
-            from enginectl.server.serve import main as serve_main
-        except ImportError as exc:
-            print(f"enginectl serve needs the server extra ({exc}); pip install 'enginectl[server-cpu]'",
-                  file=sys.stderr)
-            return 2
-        return serve_main(argv[1:])
-
-    from enginectl.client import Client, EnginectlError, TrainerClient
-
+        print(
+            "enginectl: `serve` is not a client command: use the `enginectl` console script "
+            "(enginectl.cli), which runs the server when the `server-cpu` extra is installed",
+            file=sys.stderr,
+        )
+        return 2
     args = _client_parser().parse_args(argv)
     token = os.environ.get("ENGINECTL_TOKEN")
     if args.token_file:

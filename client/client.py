@@ -1,4 +1,5 @@
-"""Typed clients for an enginectl server: `AsyncClient` (asyncio) and `Client` (blocking).
+"""Typed clients for the enginectl API: `AsyncClient` (asyncio) and `Client` (blocking,
+the same methods run on a private event-loop thread; see _sync.py).
 
 Channel options, bearer token, TLS, timeouts and retries live here, in one place; callers
 get `WeightVersion` values and `EnginectlError` exceptions carrying the server's reason,
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self, TypedDict, Unpack
 
 import grpc
+from google.protobuf.message import Message
 
+from enginectl.client._sync import LoopThread, blocking, streaming
 from enginectl.client.errors import from_rpc_error
 from enginectl.client.types import WeightVersion
 from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
@@ -25,18 +28,34 @@ DEFAULT_TIMEOUT_S = 30.0
 
 # Transparent retries of transport failures (UNAVAILABLE) for unary calls. Safe for
 # SetWeightVersion because the client always sends a request_id (idempotent on the server).
-_SERVICE_CONFIG = json.dumps({
-    "methodConfig": [{
-        "name": [{"service": "enginectl.weights.v1.WeightVersionService"}],
-        "retryPolicy": {
-            "maxAttempts": 4,
-            "initialBackoff": "0.1s",
-            "maxBackoff": "1s",
-            "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"],
-        },
-    }],
-})
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "enginectl.weights.v1.WeightVersionService"}],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ],
+    }
+)
+
+
+class ChannelOptions(TypedDict, total=False):
+    """The keyword arguments every client takes: the fields of ChannelConfig but `target`."""
+
+    token: str | None
+    tls: bool
+    root_certificates: bytes | None
+    client_certificate: bytes | None
+    client_key: bytes | None
+    timeout: float
+    options: Sequence[tuple[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -87,9 +106,7 @@ class ChannelConfig:
 
 
 def _set_request(version: str, etag: str | None, request_id: str | None) -> wv_pb2.SetWeightVersionRequest:
-    return wv_pb2.SetWeightVersionRequest(
-        version=version, etag=etag or "", request_id=request_id or str(uuid.uuid4())
-    )
+    return wv_pb2.SetWeightVersionRequest(version=version, etag=etag or "", request_id=request_id or str(uuid.uuid4()))
 
 
 def _watch_request(since_revision: int | None, incarnation: str | None) -> wv_pb2.WatchWeightVersionRequest:
@@ -102,33 +119,30 @@ def _watch_request(since_revision: int | None, incarnation: str | None) -> wv_pb
 class AsyncClient:
     """asyncio client. Use as `async with AsyncClient("host:port") as c: ...`."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, **config: Any) -> None:
+    def __init__(self, target: str = DEFAULT_TARGET, **config: Unpack[ChannelOptions]) -> None:
         self.config = ChannelConfig(target=target, **config)
         self._channel = self.config.aio_channel()
         self._versions = wv_grpc.WeightVersionServiceStub(self._channel)
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def close(self) -> None:
+        """Close the channel (calls in flight end with CANCELLED)."""
         await self._channel.close()
 
-    async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+    async def _unary(self, method: Callable[..., Any], request: Message, timeout: float | None) -> Any:
         try:
-            return await method(
-                request, timeout=timeout or self.config.timeout, metadata=self.config.metadata()
-            )
+            return await method(request, timeout=timeout or self.config.timeout, metadata=self.config.metadata())
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
 
     async def get_weight_version(self, *, timeout: float | None = None) -> WeightVersion:
         """The WeightVersion resource (no engine round trip on the server)."""
-        response = await self._unary(
-            self._versions.GetWeightVersion, wv_pb2.GetWeightVersionRequest(), timeout
-        )
+        response = await self._unary(self._versions.GetWeightVersion, wv_pb2.GetWeightVersionRequest(), timeout)
         return WeightVersion.from_proto(response.weight_version)
 
     async def set_weight_version(
@@ -145,9 +159,7 @@ class AsyncClient:
         whose `current_etag` is the etag to retry with once the caller has decided to).
         A `request_id` (a UUID; one is generated when omitted) makes retries idempotent.
         """
-        response = await self._unary(
-            self._versions.SetWeightVersion, _set_request(version, etag, request_id), timeout
-        )
+        response = await self._unary(self._versions.SetWeightVersion, _set_request(version, etag, request_id), timeout)
         return WeightVersion.from_proto(response.weight_version)
 
     async def watch_weight_version(
@@ -173,58 +185,39 @@ class AsyncClient:
 
 
 class Client:
-    """Blocking client with the same methods as AsyncClient. Use as a context manager."""
+    """Blocking client with the methods of AsyncClient (run on a private event-loop thread).
+    Use as a context manager, or call `close()`."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, **config: Any) -> None:
-        self.config = ChannelConfig(target=target, **config)
-        self._channel = self.config.channel()
-        self._versions = wv_grpc.WeightVersionServiceStub(self._channel)
+    _core: AsyncClient
 
-    def __enter__(self) -> Client:
+    def __init__(self, target: str = DEFAULT_TARGET, **config: Unpack[ChannelOptions]) -> None:
+        self._loop = LoopThread(f"enginectl-{type(self).__name__}")
+        try:
+            self._core = self._loop.run(self._connect(target, config))
+        except BaseException:
+            self._loop.close()
+            raise
+        self.config = self._core.config
+
+    async def _connect(self, target: str, config: ChannelOptions) -> AsyncClient:
+        """The async client this one fronts (made on the loop, where its channel lives)."""
+        return AsyncClient(target, **config)
+
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
-
-    def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+        """Close the channel and stop the loop thread. Idempotent."""
+        if self._loop.closed:
+            return
         try:
-            return method(request, timeout=timeout or self.config.timeout, metadata=self.config.metadata())
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-
-    def get_weight_version(self, *, timeout: float | None = None) -> WeightVersion:
-        """See AsyncClient.get_weight_version."""
-        response = self._unary(self._versions.GetWeightVersion, wv_pb2.GetWeightVersionRequest(), timeout)
-        return WeightVersion.from_proto(response.weight_version)
-
-    def set_weight_version(
-        self,
-        version: str,
-        *,
-        etag: str | None = None,
-        request_id: str | None = None,
-        timeout: float | None = None,
-    ) -> WeightVersion:
-        """See AsyncClient.set_weight_version."""
-        response = self._unary(
-            self._versions.SetWeightVersion, _set_request(version, etag, request_id), timeout
-        )
-        return WeightVersion.from_proto(response.weight_version)
-
-    def watch_weight_version(
-        self, *, since_revision: int | None = None, incarnation: str | None = None
-    ) -> Iterator[WeightVersion]:
-        """See AsyncClient.watch_weight_version. Close the iterator to end the stream."""
-        call = self._versions.WatchWeightVersion(
-            _watch_request(since_revision, incarnation), metadata=self.config.metadata()
-        )
-        try:
-            for response in call:
-                yield WeightVersion.from_proto(response.weight_version)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+            self._loop.run(self._core.close())
         finally:
-            call.cancel()
+            self._loop.close()
+
+    get_weight_version = blocking(AsyncClient.get_weight_version)
+    set_weight_version = blocking(AsyncClient.set_weight_version)
+    watch_weight_version = streaming(AsyncClient.watch_weight_version)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import grpc
+
 from enginectl.client.client import ChannelConfig
 from enginectl.client.errors import from_rpc_error
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
@@ -81,22 +82,38 @@ class FpmSample:
         emit = msg.emit_time.ToDatetime(tzinfo=timezone.utc) if msg.HasField("emit_time") else None
         kind = fpm_pb2.SampleKind.Name(msg.kind).removeprefix("SAMPLE_KIND_")
         return cls(
-            worker_id=msg.worker_id, dp_rank=msg.dp_rank, counter_id=msg.counter_id,
-            identity_generation=msg.identity_generation, incarnation=msg.incarnation,
-            emit_time=emit, wall_time=msg.wall_time, idle=msg.idle,
+            worker_id=msg.worker_id,
+            dp_rank=msg.dp_rank,
+            counter_id=msg.counter_id,
+            identity_generation=msg.identity_generation,
+            incarnation=msg.incarnation,
+            emit_time=emit,
+            wall_time=msg.wall_time,
+            idle=msg.idle,
             kind=SampleKind(kind) if kind in SampleKind.__members__ else SampleKind.UNSPECIFIED,
             scheduled=ScheduledRequests(
-                s.num_prefill_requests, s.sum_prefill_tokens, s.var_prefill_length,
-                s.sum_prefill_kv_tokens, s.num_decode_requests, s.sum_decode_kv_tokens,
+                s.num_prefill_requests,
+                s.sum_prefill_tokens,
+                s.var_prefill_length,
+                s.sum_prefill_kv_tokens,
+                s.num_decode_requests,
+                s.sum_decode_kv_tokens,
                 s.var_decode_kv_tokens,
             ),
             queued=QueuedRequests(
-                q.num_prefill_requests, q.sum_prefill_tokens, q.var_prefill_length,
-                q.num_decode_requests, q.sum_decode_kv_tokens, q.var_decode_kv_tokens,
+                q.num_prefill_requests,
+                q.sum_prefill_tokens,
+                q.var_prefill_length,
+                q.num_decode_requests,
+                q.sum_decode_kv_tokens,
+                q.var_decode_kv_tokens,
             ),
-            kv_cache_usage=msg.kv_cache_usage, num_running=msg.num_running,
-            num_waiting=msg.num_waiting, dropped_since_last=msg.dropped_since_last,
-            sequence=msg.sequence, weight_revision=msg.weight_revision,
+            kv_cache_usage=msg.kv_cache_usage,
+            num_running=msg.num_running,
+            num_waiting=msg.num_waiting,
+            dropped_since_last=msg.dropped_since_last,
+            sequence=msg.sequence,
+            weight_revision=msg.weight_revision,
             schema_version=msg.schema_version,
         )
 

@@ -1,4 +1,4 @@
-"""Planner consumer: forward-pass metrics from a fleet of enginectl servers, reconciled.
+"""Planner consumer: forward-pass metrics from a fleet of servers, reconciled.
 
 Runs in a planner or autoscaler process; imports neither torch nor vLLM (grpc.aio only).
 
@@ -10,7 +10,8 @@ Runs in a planner or autoscaler process; imports neither torch nor vLLM (grpc.ai
   sequence it processed, in the same incarnation; a restarted server (INCARNATION_CHANGED)
   or an evicted resume point (SEQUENCE_EVICTED) re-subscribes live, and a restart clears
   that endpoint's samples.
-- `PlannerThread`: the same from blocking code (its own loop on a daemon thread).
+- `PlannerThread`: the same from blocking code (a Planner on the blocking clients' loop
+  thread, see _sync.py).
 
     async with Planner(["10.0.0.1:50051", "10.0.0.2:50051"]) as planner:
         verdict = planner.reconcile({"worker-a", "worker-b"}, dp_size=2)
@@ -23,14 +24,14 @@ import asyncio
 import dataclasses
 import enum
 import random
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 import grpc
+
+from enginectl.client._sync import LoopThread
 from enginectl.client.client import ChannelConfig
 from enginectl.client.errors import EnginectlError, Reason
 from enginectl.client.fpm import (
@@ -42,18 +43,19 @@ from enginectl.client.fpm import (
 )
 
 DEFAULT_STALE_AFTER_S = 5.0
-T = TypeVar("T")
+DEFAULT_BACKOFF_INITIAL_S = 0.1
+DEFAULT_BACKOFF_MAX_S = 5.0
 
 
 class Verdict(str, enum.Enum):
     """Outcome of `reconcile`, in the order the checks run (the first failing one wins)."""
 
     OK = "OK"
-    NO_FPM_DATA = "NO_FPM_DATA"                      # no sample from any expected worker yet
-    STALE = "STALE"                                  # an expected worker's rank went quiet
+    NO_FPM_DATA = "NO_FPM_DATA"  # no sample from any expected worker yet
+    STALE = "STALE"  # an expected worker's rank went quiet
     WORKER_COUNT_MISMATCH = "WORKER_COUNT_MISMATCH"  # distinct expected ids seen != expected
     INCONSISTENT_DP_RANKS = "INCONSISTENT_DP_RANKS"  # workers report different rank counts
-    INCOMPLETE_COVERAGE = "INCOMPLETE_COVERAGE"      # (worker, rank) pairs != workers x dp_size
+    INCOMPLETE_COVERAGE = "INCOMPLETE_COVERAGE"  # (worker, rank) pairs != workers x dp_size
 
 
 @dataclass(frozen=True)
@@ -145,24 +147,27 @@ class FleetView:
             return Reconciliation(v, detail, seen, stale, unattributed, loose)
 
         if not known:
-            return verdict(Verdict.NO_FPM_DATA, f"no sample from any of {len(expected)} expected workers"
-                           + _unattributed_note(unattributed))
+            return verdict(
+                Verdict.NO_FPM_DATA,
+                f"no sample from any of {len(expected)} expected workers" + _unattributed_note(unattributed),
+            )
         if stale:
             names = ", ".join(f"{r.worker_id}/{r.dp_rank}@{r.endpoint} ({r.age_s:.1f}s)" for r in stale)
             return verdict(Verdict.STALE, f"no sample for more than {stale_after}s from {names}")
         if len(seen) != len(expected):
             missing = sorted(expected - set(seen))
-            return verdict(Verdict.WORKER_COUNT_MISMATCH,
-                           f"{len(seen)} of {len(expected)} expected workers publish; missing {missing}"
-                           + _unattributed_note(unattributed))
+            return verdict(
+                Verdict.WORKER_COUNT_MISMATCH,
+                f"{len(seen)} of {len(expected)} expected workers publish; missing {missing}"
+                + _unattributed_note(unattributed),
+            )
         if len({len(rs) for rs in seen.values()}) > 1:
             counts = {w: len(rs) for w, rs in seen.items()}
             return verdict(Verdict.INCONSISTENT_DP_RANKS, f"dp ranks per worker differ: {counts}")
         full = tuple(range(dp_size))
         partial = {w: rs for w, rs in seen.items() if rs != full}
         if partial:
-            return verdict(Verdict.INCOMPLETE_COVERAGE,
-                           f"expected ranks {list(full)} of every worker; got {partial}")
+            return verdict(Verdict.INCOMPLETE_COVERAGE, f"expected ranks {list(full)} of every worker; got {partial}")
         return verdict(Verdict.OK, f"{len(seen)} workers x {dp_size} ranks, all fresh")
 
 
@@ -195,8 +200,8 @@ class Planner:
         endpoints: Sequence[str | ChannelConfig],
         *,
         stale_after: float = DEFAULT_STALE_AFTER_S,
-        backoff_initial: float = 0.1,
-        backoff_max: float = 5.0,
+        backoff_initial: float = DEFAULT_BACKOFF_INITIAL_S,
+        backoff_max: float = DEFAULT_BACKOFF_MAX_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stale_after = stale_after
@@ -212,8 +217,10 @@ class Planner:
         """gRPC's own reconnect backoff grows to 2 minutes; keep it within the planner's, so a
         server that comes back is followed again within `backoff_max` (options given win)."""
         config = endpoint if isinstance(endpoint, ChannelConfig) else ChannelConfig(target=endpoint)
-        ours = {"grpc.initial_reconnect_backoff_ms": int(self._backoff[0] * 1000),
-                "grpc.max_reconnect_backoff_ms": int(self._backoff[1] * 1000)}
+        ours = {
+            "grpc.initial_reconnect_backoff_ms": int(self._backoff[0] * 1000),
+            "grpc.max_reconnect_backoff_ms": int(self._backoff[1] * 1000),
+        }
         given = {name for name, _ in config.options}
         extra = tuple((k, v) for k, v in ours.items() if k not in given)
         return dataclasses.replace(config, options=(*config.options, *extra))
@@ -267,8 +274,11 @@ class Planner:
         async with config.aio_channel() as channel:
             while not self._closing.is_set():
                 resume = status.last_sequence if status.incarnation else None
-                request = stream_request(include_heartbeats=True, resume_after_sequence=resume,
-                                         resume_incarnation=status.incarnation if resume is not None else "")
+                request = stream_request(
+                    include_heartbeats=True,
+                    resume_after_sequence=resume,
+                    resume_incarnation=status.incarnation if resume is not None else "",
+                )
                 try:
                     async for event in stream_forward_pass_metrics(channel, request, config):
                         self._apply(status, event)
@@ -319,14 +329,22 @@ class Planner:
 class PlannerThread:
     """A Planner on its own event loop in a daemon thread, for blocking callers.
 
-        with PlannerThread(["127.0.0.1:50051"]) as planner:
-            print(planner.reconcile({"worker-a"}, dp_size=1).verdict)
+    with PlannerThread(["127.0.0.1:50051"]) as planner:
+        print(planner.reconcile({"worker-a"}, dp_size=1).verdict)
     """
 
-    def __init__(self, endpoints: Sequence[str | ChannelConfig], **options: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="enginectl-planner", daemon=True)
-        self._endpoints, self._options = endpoints, options
+    def __init__(
+        self,
+        endpoints: Sequence[str | ChannelConfig],
+        *,
+        stale_after: float = DEFAULT_STALE_AFTER_S,
+        backoff_initial: float = DEFAULT_BACKOFF_INITIAL_S,
+        backoff_max: float = DEFAULT_BACKOFF_MAX_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._endpoints = endpoints
+        self._stale_after, self._backoff, self._clock = stale_after, (backoff_initial, backoff_max), clock
+        self._loop: LoopThread | None = None
         self.planner: Planner | None = None
 
     def __enter__(self) -> PlannerThread:
@@ -336,41 +354,43 @@ class PlannerThread:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, coro: Any, timeout: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
     def start(self) -> None:
-        self._thread.start()
+        """Start the loop thread and, on it, the planner."""
+        self._loop = LoopThread("enginectl-planner")
 
-        async def make() -> Planner:
-            planner = Planner(self._endpoints, **self._options)
+        def make() -> Planner:
+            planner = Planner(
+                self._endpoints,
+                stale_after=self._stale_after,
+                backoff_initial=self._backoff[0],
+                backoff_max=self._backoff[1],
+                clock=self._clock,
+            )
             planner.start()
             return planner
 
-        self.planner = self._call(make())
+        self.planner = self._loop.call(make)
 
     def reconcile(self, expected_workers: Iterable[str], dp_size: int) -> Reconciliation:
         """See Planner.reconcile (computed on the planner's loop, so it sees a consistent view)."""
-        planner, expected = self._planner(), list(expected_workers)
-
-        async def run() -> Reconciliation:
-            return planner.reconcile(expected, dp_size)
-
-        result: Reconciliation = self._call(run())
-        return result
+        loop, planner = self._started()
+        return loop.call(planner.reconcile, list(expected_workers), dp_size)
 
     def wait_for(self, predicate: Callable[[Planner], bool], timeout: float) -> bool:
-        """See Planner.wait_for."""
-        result: bool = self._call(self._planner().wait_for(predicate, timeout), timeout + 5)
-        return result
+        """See Planner.wait_for (`predicate` runs on the planner's loop)."""
+        loop, planner = self._started()
+        return loop.run(planner.wait_for(predicate, timeout), timeout + 5)
 
-    def _planner(self) -> Planner:
-        assert self.planner is not None, "start() first"
-        return self.planner
+    def _started(self) -> tuple[LoopThread, Planner]:
+        assert self._loop is not None and self.planner is not None, "start() first"
+        return self._loop, self.planner
 
     def close(self) -> None:
-        if self.planner is not None:
-            self._call(self.planner.close(), 30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
+        """Stop following the endpoints and stop the loop thread. Idempotent."""
+        if self._loop is None or self._loop.closed:
+            return
+        try:
+            if self.planner is not None:
+                self._loop.run(self.planner.close(), 30)
+        finally:
+            self._loop.close()

@@ -1,8 +1,9 @@
 """Trainer client: load new weights into a serving engine and know which version it serves.
 
 Runs in the trainer process. `AsyncTrainerClient` (asyncio) extends `AsyncClient` with
-WeightUpdateService, VerifyWeights and google.longrunning.Operations; `TrainerClient` offers
-the same methods blocking (it drives an AsyncTrainerClient on a private event-loop thread).
+WeightUpdateService, VerifyWeights and google.longrunning.Operations; `TrainerClient` extends
+`Client` with the same methods blocking (the async ones, run on its event-loop thread).
+`AsyncBroadcast` (and its blocking view `Broadcast`) is a broadcast update in flight.
 
     with TrainerClient("127.0.0.1:50051") as t:
         t.update_weights_from_disk("/ckpt/step-42", "step-42", progress=True)
@@ -17,20 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Coroutine, Iterator
-from dataclasses import dataclass
-from typing import IO, Any, Self, TypeVar
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Literal, Unpack, overload
 
 import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
-from google.protobuf import duration_pb2
 
-from enginectl.client.client import DEFAULT_TARGET, AsyncClient
+from enginectl.client._sync import LoopThread, blocking, entering
+from enginectl.client.client import DEFAULT_TARGET, AsyncClient, ChannelOptions, Client
 from enginectl.client.errors import DeadlineExceededError, from_rpc_error
+from enginectl.client.progress import ProgressBar
+from enginectl.client.trainer_requests import GRACE_S, UpdateOptions, duration, parse_pause_mode
 from enginectl.client.trainer_tensors import (
     BACKENDS,
     BroadcastGroup,
@@ -44,130 +44,33 @@ from enginectl.client.trainer_types import (
     PauseResult,
     ServerInfo,
     UpdateOperation,
-    UpdateProgress,
     UpdateResult,
     Verification,
+    WeightsUpdateGroup,
 )
-from enginectl.client.types import WeightVersion
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
 
-
-T = TypeVar("T")
-
-PAUSE_MODES = {"abort": pb2.PAUSE_MODE_ABORT, "wait": pb2.PAUSE_MODE_WAIT, "keep": pb2.PAUSE_MODE_KEEP}
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 DEFAULT_GROUP = "enginectl-trainer"
 POLL_S = 0.2  # WaitOperation slice while drawing progress
 WAIT_SLICE_S = 60.0  # WaitOperation slice otherwise
-GRACE_S = 60.0  # beyond an update's own timeout, for the server to report its end
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(int(seconds * 1e9))
-    return d
-
-
-def _pause_mode(mode: str) -> int:
-    try:
-        return PAUSE_MODES[mode.lower()]
-    except KeyError:
-        raise ValueError(f"pause mode must be one of {sorted(PAUSE_MODES)}, not {mode!r}") from None
-
-
-@dataclass(frozen=True)
-class UpdateOptions:
-    """Options every update takes (see UpdateWeightsFromDiskRequest)."""
-
-    version: str | None = None
-    etag: str | None = None
-    request_id: str | None = None
-    pause_mode: str = "keep"
-    reset_prefix_cache: bool = True
-    timeout: float | None = None
-
-    def fill(self, msg: Any) -> Any:
-        """Set the shared fields on a request or stream header; returns it."""
-        if self.version is not None:
-            msg.weight_version = self.version
-        msg.etag = self.etag or ""
-        msg.request_id = self.request_id or str(uuid.uuid4())
-        msg.pause_mode = _pause_mode(self.pause_mode)
-        msg.reset_prefix_cache = self.reset_prefix_cache
-        if self.timeout is not None:
-            msg.timeout.CopyFrom(_duration(self.timeout))
-        return msg
-
-    def wait_bound(self) -> float | None:
-        return None if self.timeout is None else self.timeout + GRACE_S
-
-
-@dataclass(frozen=True)
-class WeightsUpdateGroup:
-    """A group made by init_weights_update_group; the trainer is rank 0."""
-
-    group_name: str
-    backend: str
-    master_address: str
-    master_port: int
-    world_size: int
-    rank_offset: int
-    num_engine_ranks: int
-
-
-class ProgressBar:
-    """Draws an update's progress (bytes done of total, phase) on `stream` (stderr): tqdm
-    when it is installed, else a plain text bar."""
-
-    WIDTH = 30
-
-    def __init__(self, stream: IO[str] | None = None, *, use_tqdm: bool = True) -> None:
-        self.stream = stream or sys.stderr
-        self._tqdm: Any = None
-        self._last = ""
-        self._tqdm_mod: Any = None
-        if use_tqdm:
-            try:
-                import tqdm
-
-                self._tqdm_mod = tqdm
-            except ImportError:
-                pass
-
-    def update(self, progress: UpdateProgress) -> None:
-        total = max(progress.bytes_total, 1)
-        if self._tqdm_mod is not None:
-            if self._tqdm is None:
-                self._tqdm = self._tqdm_mod.tqdm(total=total, unit="B", unit_scale=True, file=self.stream,
-                                                 desc="weights")
-            self._tqdm.set_postfix_str(f"{progress.phase} {progress.tensors_done}/{progress.tensors_total} tensors")
-            self._tqdm.update(progress.bytes_done - self._tqdm.n)
-            return
-        filled = int(self.WIDTH * min(progress.bytes_done, total) / total)
-        line = (f"\rweights [{'#' * filled}{'.' * (self.WIDTH - filled)}] {100 * progress.bytes_done / total:5.1f}% "
-                f"{progress.tensors_done}/{progress.tensors_total} tensors "
-                f"{progress.bytes_done / 1e6:.1f}/{progress.bytes_total / 1e6:.1f} MB {progress.phase:<14}")
-        if line != self._last:
-            self.stream.write(line)
-            self.stream.flush()
-            self._last = line
-
-    def close(self) -> None:
-        if self._tqdm is not None:
-            self._tqdm.close()
-        elif self._last:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 class AsyncBroadcast:
     """An UpdateWeightsFromDistributed in flight: the trainer broadcasts `tensors` in order
     through its group (`send`), then waits for the Operation (`wait`)."""
 
-    def __init__(self, client: AsyncTrainerClient, group: BroadcastGroup, operation: UpdateOperation,
-                 tensors: list[Any], options: UpdateOptions, progress: bool) -> None:
+    def __init__(
+        self,
+        client: AsyncTrainerClient,
+        group: BroadcastGroup,
+        operation: UpdateOperation,
+        tensors: list[Any],
+        options: UpdateOptions,
+        progress: bool,
+    ) -> None:
         self.client, self.group, self.operation = client, group, operation
         self.options, self.progress = options, progress
         self._tensors = tensors
@@ -185,7 +88,7 @@ class AsyncBroadcast:
     async def send(self, count: int | None = None) -> int:
         """Broadcast the next `count` tensors (all remaining by default); returns how many.
         If the Operation ends first (cancelled, timed out), raises its error."""
-        batch = self._tensors[self.sent:self.sent + (self.remaining if count is None else count)]
+        batch = self._tensors[self.sent : self.sent + (self.remaining if count is None else count)]
         sending = asyncio.ensure_future(asyncio.to_thread(self.group.broadcast, batch, self._stop))
         ended = asyncio.ensure_future(self.client._await_done(self.name, None, None))
         try:
@@ -222,7 +125,7 @@ class AsyncBroadcast:
 class AsyncTrainerClient(AsyncClient):
     """asyncio trainer client: `async with AsyncTrainerClient("host:port") as t: ...`."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, **config: Any) -> None:
+    def __init__(self, target: str = DEFAULT_TARGET, **config: Unpack[ChannelOptions]) -> None:
         super().__init__(target, **config)
         self._updates = pb2_grpc.WeightUpdateServiceStub(self._channel)
         self._operations = operations_pb2_grpc.OperationsStub(self._channel)
@@ -240,7 +143,8 @@ class AsyncTrainerClient(AsyncClient):
     async def get_server_info(self, *, timeout: float | None = None) -> ServerInfo:
         """Model, parallelism, backends, limits of the server (no engine round trip)."""
         self._info = ServerInfo.from_proto(
-            await self._unary(self._updates.GetServerInfo, pb2.GetServerInfoRequest(), timeout))
+            await self._unary(self._updates.GetServerInfo, pb2.GetServerInfoRequest(), timeout)
+        )
         return self._info
 
     async def generation_state(self, *, timeout: float | None = None) -> GenerationState:
@@ -248,26 +152,32 @@ class AsyncTrainerClient(AsyncClient):
         response = await self._unary(self._updates.GetGenerationState, pb2.GetGenerationStateRequest(), timeout)
         return GenerationState.from_proto(response.state)
 
-    async def pause_generation(self, mode: str = "keep", *, clear_cache: bool = False,
-                               wait_timeout: float | None = None, timeout: float | None = None) -> PauseResult:
+    async def pause_generation(
+        self,
+        mode: str = "keep",
+        *,
+        clear_cache: bool = False,
+        wait_timeout: float | None = None,
+        timeout: float | None = None,
+    ) -> PauseResult:
         """Pause generation on every rank ("keep" freezes requests, "abort" ends them,
         "wait" drains them within `wait_timeout`). It stays paused across updates."""
-        request = pb2.PauseGenerationRequest(mode=_pause_mode(mode), clear_cache=clear_cache)
+        request = pb2.PauseGenerationRequest(mode=parse_pause_mode(mode), clear_cache=clear_cache)
         if wait_timeout is not None:
-            request.wait_timeout.CopyFrom(_duration(wait_timeout))
+            request.wait_timeout.CopyFrom(duration(wait_timeout))
         if timeout is None and wait_timeout is not None:
             timeout = wait_timeout + self.config.timeout
         return PauseResult.from_proto(await self._unary(self._updates.PauseGeneration, request, timeout))
 
     async def resume_generation(self, force: bool = False, *, timeout: float | None = None) -> GenerationState:
         """Resume generation; `force` also after a partial update (mixed weights)."""
-        response = await self._unary(self._updates.ResumeGeneration, pb2.ResumeGenerationRequest(force=force),
-                                     timeout)
+        response = await self._unary(self._updates.ResumeGeneration, pb2.ResumeGenerationRequest(force=force), timeout)
         return GenerationState.from_proto(response.state)
 
     @contextlib.asynccontextmanager
-    async def paused(self, mode: str = "keep", *, clear_cache: bool = False,
-                     wait_timeout: float | None = None) -> AsyncIterator[PauseResult]:
+    async def paused(
+        self, mode: str = "keep", *, clear_cache: bool = False, wait_timeout: float | None = None
+    ) -> AsyncIterator[PauseResult]:
         """Generation paused inside the block (e.g. around several bucketed updates), resumed
         after it, also when the block raises."""
         result = await self.pause_generation(mode, clear_cache=clear_cache, wait_timeout=wait_timeout)
@@ -288,8 +198,9 @@ class AsyncTrainerClient(AsyncClient):
         op = await self._unary(self._operations.GetOperation, operations_pb2.GetOperationRequest(name=name), timeout)
         return UpdateOperation.from_proto(op)
 
-    async def wait_operation(self, name: str, timeout: float | None = None, *,
-                             progress: bool = False) -> UpdateOperation:
+    async def wait_operation(
+        self, name: str, timeout: float | None = None, *, progress: bool = False
+    ) -> UpdateOperation:
         """Wait until the Operation is done or `timeout` (None: no bound) elapsed; returns it
         as it then is (check `done`; `result()` raises its error)."""
         return await self._await_operation(name, timeout, progress, raise_on_deadline=False)
@@ -299,7 +210,7 @@ class AsyncTrainerClient(AsyncClient):
         await self._unary(self._operations.CancelOperation, operations_pb2.CancelOperationRequest(name=name), timeout)
 
     async def _wait_slice(self, name: str, seconds: float) -> UpdateOperation:
-        request = operations_pb2.WaitOperationRequest(name=name, timeout=_duration(max(seconds, 0.001)))
+        request = operations_pb2.WaitOperationRequest(name=name, timeout=duration(max(seconds, 0.001)))
         op = await self._unary(self._operations.WaitOperation, request, seconds + self.config.timeout)
         return UpdateOperation.from_proto(op)
 
@@ -315,8 +226,9 @@ class AsyncTrainerClient(AsyncClient):
             if op.done or (deadline is not None and time.monotonic() >= deadline):
                 return op
 
-    async def _await_operation(self, name: str, timeout: float | None, progress: bool, *,
-                               raise_on_deadline: bool = True) -> UpdateOperation:
+    async def _await_operation(
+        self, name: str, timeout: float | None, progress: bool, *, raise_on_deadline: bool = True
+    ) -> UpdateOperation:
         bar = ProgressBar() if progress else None
         try:
             op = await self._await_done(name, timeout, bar)
@@ -324,24 +236,80 @@ class AsyncTrainerClient(AsyncClient):
             if bar is not None:
                 bar.close()
         if not op.done and raise_on_deadline:
-            raise DeadlineExceededError(code=grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        message=f"{name} still running after {timeout:.1f}s (phase "
-                                                f"{op.progress.phase}); wait_operation or cancel_operation it")
+            raise DeadlineExceededError(
+                code=grpc.StatusCode.DEADLINE_EXCEEDED,
+                message=f"{name} still running after {timeout:.1f}s (phase "
+                f"{op.progress.phase}); wait_operation or cancel_operation it",
+            )
         return op
 
-    async def _finish(self, op: UpdateOperation, options: UpdateOptions, progress: bool,
-                      wait: bool) -> UpdateResult | UpdateOperation:
+    async def _finish(
+        self, op: UpdateOperation, options: UpdateOptions, progress: bool, wait: bool
+    ) -> UpdateResult | UpdateOperation:
         if not wait:
             return op
         return (await self._await_operation(op.name, options.wait_bound(), progress)).result()
 
     # --- updates -----------------------------------------------------------------------
 
+    @overload
     async def update_weights_from_disk(
-        self, path: str, version: str | None = None, *, etag: str | None = None, request_id: str | None = None,
-        pause_mode: str = "keep", reset_prefix_cache: bool = True, timeout: float | None = None,
-        progress: bool = False, wait: bool = True,
-    ) -> Any:
+        self,
+        path: str,
+        version: str | None = None,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        progress: bool = False,
+        wait: Literal[True] = True,
+    ) -> UpdateResult: ...
+
+    @overload
+    async def update_weights_from_disk(
+        self,
+        path: str,
+        version: str | None = None,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        progress: bool = False,
+        wait: Literal[False],
+    ) -> UpdateOperation: ...
+
+    @overload
+    async def update_weights_from_disk(
+        self,
+        path: str,
+        version: str | None = None,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        progress: bool = False,
+        wait: bool = True,
+    ) -> UpdateResult | UpdateOperation: ...
+
+    async def update_weights_from_disk(
+        self,
+        path: str,
+        version: str | None = None,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        progress: bool = False,
+        wait: bool = True,
+    ) -> UpdateResult | UpdateOperation:
         """Load safetensors at `path` (on the server, under an allowed root) and declare
         `version` on success (None: the version becomes undeclared). Returns the
         UpdateResult (`wait=False`: the running UpdateOperation); raises the update's error
@@ -351,12 +319,68 @@ class AsyncTrainerClient(AsyncClient):
         op = UpdateOperation.from_proto(await self._unary(self._updates.UpdateWeightsFromDisk, request, None))
         return await self._finish(op, options, progress, wait)
 
+    @overload
     async def update_weights_from_tensors(
-        self, tensors: TensorSource, version: str | None = None, *, etag: str | None = None,
-        request_id: str | None = None, pause_mode: str = "keep", reset_prefix_cache: bool = True,
-        timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = False,
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        progress: bool = False,
+        wait: Literal[True] = True,
+    ) -> UpdateResult: ...
+
+    @overload
+    async def update_weights_from_tensors(
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        progress: bool = False,
+        wait: Literal[False],
+    ) -> UpdateOperation: ...
+
+    @overload
+    async def update_weights_from_tensors(
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        progress: bool = False,
         wait: bool = True,
-    ) -> Any:
+    ) -> UpdateResult | UpdateOperation: ...
+
+    async def update_weights_from_tensors(
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        progress: bool = False,
+        wait: bool = True,
+    ) -> UpdateResult | UpdateOperation:
         """Send `tensors` (an nn.Module, a state dict or (name, tensor) pairs; checkpoint
         names) over the UpdateWeightsFromTensors stream: a header, then the raw bytes in
         chunks of `chunk_bytes` (1..4 MiB). Returns as update_weights_from_disk."""
@@ -372,7 +396,8 @@ class AsyncTrainerClient(AsyncClient):
 
         try:
             response = await self._updates.UpdateWeightsFromTensors(
-                messages(), timeout=options.wait_bound(), metadata=self.config.metadata())
+                messages(), timeout=options.wait_bound(), metadata=self.config.metadata()
+            )
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
         return await self._finish(UpdateOperation.from_proto(response), options, progress, wait)
@@ -380,19 +405,32 @@ class AsyncTrainerClient(AsyncClient):
     # --- broadcast groups --------------------------------------------------------------
 
     async def init_weights_update_group(
-        self, group_name: str = DEFAULT_GROUP, master_address: str = "127.0.0.1", master_port: int = 0, *,
-        backend: str = "gloo", rank_offset: int = 1, world_size: int | None = None, timeout: float = 60.0,
+        self,
+        group_name: str = DEFAULT_GROUP,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        *,
+        backend: str = "gloo",
+        rank_offset: int = 1,
+        world_size: int | None = None,
+        timeout: float = 60.0,
     ) -> WeightsUpdateGroup:
         """Create the private group `group_name` with the server: this process is rank 0 and
         hosts its TCPStore at master_address:master_port (0: a free port); the engine's
         workers join as ranks rank_offset.. . Returns once every member joined."""
         if world_size is None:
             world_size = rank_offset + (await self.get_server_info()).num_workers
-        group = await asyncio.to_thread(BroadcastGroup.host, group_name, backend, master_address, master_port,
-                                        world_size, timeout)
+        group = await asyncio.to_thread(
+            BroadcastGroup.host, group_name, backend, master_address, master_port, world_size, timeout
+        )
         request = pb2.InitWeightsUpdateGroupRequest(
-            group_name=group_name, master_address=master_address, master_port=group.port,
-            rank_offset=rank_offset, world_size=world_size, backend=BACKENDS[backend], timeout=_duration(timeout),
+            group_name=group_name,
+            master_address=master_address,
+            master_port=group.port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            backend=BACKENDS[backend],
+            timeout=duration(timeout),
         )
         joining = asyncio.ensure_future(asyncio.to_thread(group.join))
         calling = asyncio.ensure_future(self._unary(self._updates.InitWeightsUpdateGroup, request, timeout + GRACE_S))
@@ -407,17 +445,21 @@ class AsyncTrainerClient(AsyncClient):
         await joining
         self._groups[group_name] = group
         g = response.group
-        return WeightsUpdateGroup(g.group_name, backend, g.master_address, g.master_port, g.world_size,
-                                  g.rank_offset, g.num_engine_ranks)
+        return WeightsUpdateGroup(
+            g.group_name, backend, g.master_address, g.master_port, g.world_size, g.rank_offset, g.num_engine_ranks
+        )
 
-    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP, *, allow_missing: bool = False,
-                                           timeout: float | None = None) -> bool:
+    async def destroy_weights_update_group(
+        self, group_name: str = DEFAULT_GROUP, *, allow_missing: bool = False, timeout: float | None = None
+    ) -> bool:
         """Destroy the group on the server and locally; False when the server had none
         (with `allow_missing`)."""
         self._forget_group(group_name, "destroyed")
         response = await self._unary(
             self._updates.DestroyWeightsUpdateGroup,
-            pb2.DestroyWeightsUpdateGroupRequest(group_name=group_name, allow_missing=allow_missing), timeout)
+            pb2.DestroyWeightsUpdateGroupRequest(group_name=group_name, allow_missing=allow_missing),
+            timeout,
+        )
         return bool(response.found)
 
     def _forget_group(self, name: str, why: str) -> None:
@@ -427,9 +469,17 @@ class AsyncTrainerClient(AsyncClient):
             group.close()
 
     async def start_broadcast(
-        self, tensors: TensorSource, version: str | None = None, *, group_name: str = DEFAULT_GROUP,
-        etag: str | None = None, request_id: str | None = None, pause_mode: str = "keep",
-        reset_prefix_cache: bool = True, timeout: float | None = None, progress: bool = False,
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        group_name: str = DEFAULT_GROUP,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        progress: bool = False,
     ) -> AsyncBroadcast:
         """Start UpdateWeightsFromDistributed for `tensors` (in their order); broadcast them
         with `send()` and wait with `wait()`. broadcast_weights does all three."""
@@ -438,159 +488,91 @@ class AsyncTrainerClient(AsyncClient):
             raise ValueError(f"no local group {group_name!r}: call init_weights_update_group first")
         named = named_tensors(tensors, group.device)
         options = UpdateOptions(version, etag, request_id, pause_mode, reset_prefix_cache, timeout)
-        request = options.fill(pb2.UpdateWeightsFromDistributedRequest(
-            group_name=group_name, tensors=[tensor_spec(n, t) for n, t in named]))
+        request = options.fill(
+            pb2.UpdateWeightsFromDistributedRequest(
+                group_name=group_name, tensors=[tensor_spec(n, t) for n, t in named]
+            )
+        )
         op = UpdateOperation.from_proto(await self._unary(self._updates.UpdateWeightsFromDistributed, request, None))
         return AsyncBroadcast(self, group, op, [t for _, t in named], options, progress)
 
     async def broadcast_weights(
-        self, tensors: TensorSource, version: str | None = None, *, group_name: str = DEFAULT_GROUP,
-        etag: str | None = None, request_id: str | None = None, pause_mode: str = "keep",
-        reset_prefix_cache: bool = True, timeout: float | None = None, progress: bool = False,
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        group_name: str = DEFAULT_GROUP,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        progress: bool = False,
     ) -> UpdateResult:
         """Broadcast `tensors` (nn.Module, state dict or pairs; checkpoint names) through the
         group and declare `version` on success; returns the UpdateResult or raises."""
         broadcast = await self.start_broadcast(
-            tensors, version, group_name=group_name, etag=etag, request_id=request_id, pause_mode=pause_mode,
-            reset_prefix_cache=reset_prefix_cache, timeout=timeout, progress=progress)
+            tensors,
+            version,
+            group_name=group_name,
+            etag=etag,
+            request_id=request_id,
+            pause_mode=pause_mode,
+            reset_prefix_cache=reset_prefix_cache,
+            timeout=timeout,
+            progress=progress,
+        )
         await broadcast.send()
         return await broadcast.wait()
 
 
-class _LoopThread:
-    """A private event loop on a daemon thread, for the blocking client."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="enginectl-trainer", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
-
-
 class Broadcast:
-    """Blocking view of AsyncBroadcast."""
+    """Blocking view of AsyncBroadcast (from TrainerClient.start_broadcast)."""
 
-    def __init__(self, runner: _LoopThread, inner: AsyncBroadcast) -> None:
-        self._run, self._inner = runner.run, inner
+    def __init__(self, loop: LoopThread, inner: AsyncBroadcast) -> None:
+        self._loop, self._core = loop, inner
 
     @property
     def name(self) -> str:
-        return self._inner.name
+        return self._core.name
+
+    @property
+    def operation(self) -> UpdateOperation:
+        """The Operation as it was when the broadcast started."""
+        return self._core.operation
+
+    @property
+    def sent(self) -> int:
+        return self._core.sent
 
     @property
     def remaining(self) -> int:
-        return self._inner.remaining
+        return self._core.remaining
 
-    def send(self, count: int | None = None) -> int:
-        """See AsyncBroadcast.send."""
-        return self._run(self._inner.send(count))
-
-    def wait(self, timeout: float | None = None) -> UpdateResult:
-        """See AsyncBroadcast.wait."""
-        return self._run(self._inner.wait(timeout))
+    send = blocking(AsyncBroadcast.send)
+    wait = blocking(AsyncBroadcast.wait)
 
 
-class TrainerClient:
+class TrainerClient(Client):
     """Blocking trainer client with the methods of AsyncTrainerClient; a context manager."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, **config: Any) -> None:
-        self._loop = _LoopThread()
+    _core: AsyncTrainerClient
 
-        async def make() -> AsyncTrainerClient:
-            return AsyncTrainerClient(target, **config)
+    async def _connect(self, target: str, config: ChannelOptions) -> AsyncTrainerClient:
+        return AsyncTrainerClient(target, **config)
 
-        self._client = self._loop.run(make())
-        self.config = self._client.config
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._loop.run(self._client.close())
-        self._loop.close()
-
-    def get_weight_version(self, *, timeout: float | None = None) -> WeightVersion:
-        """See AsyncClient.get_weight_version."""
-        return self._loop.run(self._client.get_weight_version(timeout=timeout))
-
-    def set_weight_version(self, version: str, **kwargs: Any) -> WeightVersion:
-        """See AsyncClient.set_weight_version."""
-        return self._loop.run(self._client.set_weight_version(version, **kwargs))
-
-    def get_server_info(self, *, timeout: float | None = None) -> ServerInfo:
-        """See AsyncTrainerClient.get_server_info."""
-        return self._loop.run(self._client.get_server_info(timeout=timeout))
-
-    def generation_state(self, *, timeout: float | None = None) -> GenerationState:
-        """See AsyncTrainerClient.generation_state."""
-        return self._loop.run(self._client.generation_state(timeout=timeout))
-
-    def pause_generation(self, mode: str = "keep", **kwargs: Any) -> PauseResult:
-        """See AsyncTrainerClient.pause_generation."""
-        return self._loop.run(self._client.pause_generation(mode, **kwargs))
-
-    def resume_generation(self, force: bool = False, *, timeout: float | None = None) -> GenerationState:
-        """See AsyncTrainerClient.resume_generation."""
-        return self._loop.run(self._client.resume_generation(force, timeout=timeout))
-
-    @contextlib.contextmanager
-    def paused(self, mode: str = "keep", *, clear_cache: bool = False,
-               wait_timeout: float | None = None) -> Iterator[PauseResult]:
-        """See AsyncTrainerClient.paused."""
-        result = self.pause_generation(mode, clear_cache=clear_cache, wait_timeout=wait_timeout)
-        try:
-            yield result
-        finally:
-            self.resume_generation()
-
-    def verify_weights(self, full: bool = False, *, timeout: float | None = None) -> Verification:
-        """See AsyncTrainerClient.verify_weights."""
-        return self._loop.run(self._client.verify_weights(full, timeout=timeout))
-
-    def get_operation(self, name: str, *, timeout: float | None = None) -> UpdateOperation:
-        """See AsyncTrainerClient.get_operation."""
-        return self._loop.run(self._client.get_operation(name, timeout=timeout))
-
-    def wait_operation(self, name: str, timeout: float | None = None, *, progress: bool = False) -> UpdateOperation:
-        """See AsyncTrainerClient.wait_operation."""
-        return self._loop.run(self._client.wait_operation(name, timeout, progress=progress))
-
-    def cancel_operation(self, name: str, *, timeout: float | None = None) -> None:
-        """See AsyncTrainerClient.cancel_operation."""
-        self._loop.run(self._client.cancel_operation(name, timeout=timeout))
-
-    def update_weights_from_disk(self, path: str, version: str | None = None, **kwargs: Any) -> Any:
-        """See AsyncTrainerClient.update_weights_from_disk."""
-        return self._loop.run(self._client.update_weights_from_disk(path, version, **kwargs))
-
-    def update_weights_from_tensors(self, tensors: TensorSource, version: str | None = None, **kwargs: Any) -> Any:
-        """See AsyncTrainerClient.update_weights_from_tensors."""
-        return self._loop.run(self._client.update_weights_from_tensors(tensors, version, **kwargs))
-
-    def init_weights_update_group(self, group_name: str = DEFAULT_GROUP, master_address: str = "127.0.0.1",
-                                  master_port: int = 0, **kwargs: Any) -> WeightsUpdateGroup:
-        """See AsyncTrainerClient.init_weights_update_group."""
-        return self._loop.run(self._client.init_weights_update_group(group_name, master_address, master_port,
-                                                                     **kwargs))
-
-    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP, **kwargs: Any) -> bool:
-        """See AsyncTrainerClient.destroy_weights_update_group."""
-        return self._loop.run(self._client.destroy_weights_update_group(group_name, **kwargs))
-
-    def start_broadcast(self, tensors: TensorSource, version: str | None = None, **kwargs: Any) -> Broadcast:
-        """See AsyncTrainerClient.start_broadcast."""
-        return Broadcast(self._loop, self._loop.run(self._client.start_broadcast(tensors, version, **kwargs)))
-
-    def broadcast_weights(self, tensors: TensorSource, version: str | None = None, **kwargs: Any) -> UpdateResult:
-        """See AsyncTrainerClient.broadcast_weights."""
-        return self._loop.run(self._client.broadcast_weights(tensors, version, **kwargs))
+    get_server_info = blocking(AsyncTrainerClient.get_server_info)
+    generation_state = blocking(AsyncTrainerClient.generation_state)
+    pause_generation = blocking(AsyncTrainerClient.pause_generation)
+    resume_generation = blocking(AsyncTrainerClient.resume_generation)
+    paused = entering(AsyncTrainerClient.paused)
+    verify_weights = blocking(AsyncTrainerClient.verify_weights)
+    get_operation = blocking(AsyncTrainerClient.get_operation)
+    wait_operation = blocking(AsyncTrainerClient.wait_operation)
+    cancel_operation = blocking(AsyncTrainerClient.cancel_operation)
+    update_weights_from_disk = blocking(AsyncTrainerClient.update_weights_from_disk)
+    update_weights_from_tensors = blocking(AsyncTrainerClient.update_weights_from_tensors)
+    init_weights_update_group = blocking(AsyncTrainerClient.init_weights_update_group)
+    destroy_weights_update_group = blocking(AsyncTrainerClient.destroy_weights_update_group)
+    start_broadcast = blocking(AsyncTrainerClient.start_broadcast, Broadcast)
+    broadcast_weights = blocking(AsyncTrainerClient.broadcast_weights)

@@ -15,13 +15,19 @@ from typing import Any
 
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
-
 DTYPES = {
-    "float32": pb2.TENSOR_DTYPE_FLOAT32, "float16": pb2.TENSOR_DTYPE_FLOAT16,
-    "bfloat16": pb2.TENSOR_DTYPE_BFLOAT16, "float64": pb2.TENSOR_DTYPE_FLOAT64,
-    "int8": pb2.TENSOR_DTYPE_INT8, "int16": pb2.TENSOR_DTYPE_INT16, "int32": pb2.TENSOR_DTYPE_INT32,
-    "int64": pb2.TENSOR_DTYPE_INT64, "uint8": pb2.TENSOR_DTYPE_UINT8, "bool": pb2.TENSOR_DTYPE_BOOL,
-    "float8_e4m3fn": pb2.TENSOR_DTYPE_FLOAT8_E4M3FN, "float8_e5m2": pb2.TENSOR_DTYPE_FLOAT8_E5M2,
+    "float32": pb2.TENSOR_DTYPE_FLOAT32,
+    "float16": pb2.TENSOR_DTYPE_FLOAT16,
+    "bfloat16": pb2.TENSOR_DTYPE_BFLOAT16,
+    "float64": pb2.TENSOR_DTYPE_FLOAT64,
+    "int8": pb2.TENSOR_DTYPE_INT8,
+    "int16": pb2.TENSOR_DTYPE_INT16,
+    "int32": pb2.TENSOR_DTYPE_INT32,
+    "int64": pb2.TENSOR_DTYPE_INT64,
+    "uint8": pb2.TENSOR_DTYPE_UINT8,
+    "bool": pb2.TENSOR_DTYPE_BOOL,
+    "float8_e4m3fn": pb2.TENSOR_DTYPE_FLOAT8_E4M3FN,
+    "float8_e5m2": pb2.TENSOR_DTYPE_FLOAT8_E5M2,
 }
 BACKENDS = {"gloo": pb2.GROUP_BACKEND_GLOO, "nccl": pb2.GROUP_BACKEND_NCCL}
 
@@ -104,14 +110,19 @@ class BroadcastGroup:
         self._lock = threading.Lock()
 
     @classmethod
-    def host(cls, name: str, backend: str, address: str, port: int, world_size: int,
-             timeout: float) -> BroadcastGroup:
+    def host(cls, name: str, backend: str, address: str, port: int, world_size: int, timeout: float) -> BroadcastGroup:
         import torch.distributed as dist
 
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, not {backend!r}")
-        store = dist.TCPStore(address, port, world_size, is_master=True,
-                              timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        store = dist.TCPStore(
+            address,
+            port,
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
         return cls(name, backend, store, world_size, timeout)
 
     @property

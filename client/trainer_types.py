@@ -1,4 +1,4 @@
-"""Plain Python views of the weight-update API (DESIGN §5), for the trainer client.
+"""Plain Python views of the weight-update API, for the trainer client.
 
 Runs wherever the client runs (a trainer process, a notebook); imports neither torch nor
 vLLM. Field meanings are those of `enginectl/weights/v1/weight_update_service.proto`.
@@ -52,11 +52,18 @@ class UpdateProgress:
             phase=_enum_name(pb2.UpdatePhase, msg.phase, "UPDATE_PHASE_"),
             source=_enum_name(weight_version_pb2.WeightSource, msg.source, "WEIGHT_SOURCE_"),
             weight_version=msg.weight_version if msg.HasField("weight_version") else None,
-            tensors_done=msg.tensors_done, tensors_total=msg.tensors_total,
-            bytes_done=msg.bytes_done, bytes_total=msg.bytes_total,
-            weights_modified=msg.weights_modified, paused_by_update=msg.paused_by_update,
-            ranks=tuple(RankProgress(r.dp_rank, _enum_name(pb2.UpdatePhase, r.phase, "UPDATE_PHASE_"),
-                                     r.tensors_done, r.bytes_done) for r in msg.ranks),
+            tensors_done=msg.tensors_done,
+            tensors_total=msg.tensors_total,
+            bytes_done=msg.bytes_done,
+            bytes_total=msg.bytes_total,
+            weights_modified=msg.weights_modified,
+            paused_by_update=msg.paused_by_update,
+            ranks=tuple(
+                RankProgress(
+                    r.dp_rank, _enum_name(pb2.UpdatePhase, r.phase, "UPDATE_PHASE_"), r.tensors_done, r.bytes_done
+                )
+                for r in msg.ranks
+            ),
         )
 
 
@@ -89,8 +96,10 @@ class UpdateResult:
         return cls(
             operation=operation,
             weight_version=WeightVersion.from_proto(msg.weight_version),
-            ranks=tuple(RankResult(r.dp_rank, r.tensors_loaded, r.bytes_loaded,
-                                   r.duration.ToTimedelta().total_seconds()) for r in msg.ranks),
+            ranks=tuple(
+                RankResult(r.dp_rank, r.tensors_loaded, r.bytes_loaded, r.duration.ToTimedelta().total_seconds())
+                for r in msg.ranks
+            ),
             num_paused_requests=msg.num_paused_requests,
             num_aborted_requests=msg.num_aborted_requests,
             prefix_cache_reset=msg.prefix_cache_reset,
@@ -163,8 +172,10 @@ class GenerationState:
             num_running_requests=msg.num_running_requests,
             num_waiting_requests=msg.num_waiting_requests,
             update_operation=msg.update_operation,
-            ranks=tuple(RankGenerationState(r.dp_rank, r.paused, r.num_running_requests, r.num_waiting_requests)
-                        for r in msg.ranks),
+            ranks=tuple(
+                RankGenerationState(r.dp_rank, r.paused, r.num_running_requests, r.num_waiting_requests)
+                for r in msg.ranks
+            ),
         )
 
 
@@ -180,8 +191,13 @@ class PauseResult:
 
     @classmethod
     def from_proto(cls, msg: pb2.PauseGenerationResponse) -> PauseResult:
-        return cls(GenerationState.from_proto(msg.state), msg.was_paused, msg.num_aborted_requests,
-                   msg.num_paused_requests, msg.pause_duration.ToTimedelta().total_seconds())
+        return cls(
+            GenerationState.from_proto(msg.state),
+            msg.was_paused,
+            msg.num_aborted_requests,
+            msg.num_paused_requests,
+            msg.pause_duration.ToTimedelta().total_seconds(),
+        )
 
 
 @dataclass(frozen=True)
@@ -205,15 +221,19 @@ class ServerInfo:
     @classmethod
     def from_proto(cls, msg: pb2.GetServerInfoResponse) -> ServerInfo:
         return cls(
-            model=msg.model, served_model_names=tuple(msg.served_model_names),
+            model=msg.model,
+            served_model_names=tuple(msg.served_model_names),
             dtype=_enum_name(pb2.TensorDtype, msg.dtype, "TENSOR_DTYPE_").lower(),
-            data_parallel_size=msg.data_parallel_size, tensor_parallel_size=msg.tensor_parallel_size,
+            data_parallel_size=msg.data_parallel_size,
+            tensor_parallel_size=msg.tensor_parallel_size,
             num_workers=msg.num_workers,
             backends=tuple(_enum_name(pb2.UpdateBackend, b, "UPDATE_BACKEND_") for b in msg.backends),
-            auth_required=msg.auth_required, fingerprint_method=msg.fingerprint_method,
+            auth_required=msg.auth_required,
+            fingerprint_method=msg.fingerprint_method,
             allowed_weight_roots=tuple(msg.allowed_weight_roots),
             max_chunk_bytes=msg.limits.max_chunk_bytes or 4 * 1024 * 1024,
-            incarnation=msg.incarnation, supported_rpcs=tuple(msg.supported_rpcs),
+            incarnation=msg.incarnation,
+            supported_rpcs=tuple(msg.supported_rpcs),
         )
 
 
@@ -241,7 +261,27 @@ class Verification:
         return cls(
             verdict=_enum_name(wv_pb2.VerifyVerdict, msg.verdict, "VERIFY_VERDICT_"),
             method=msg.method,
-            ranks=tuple(RankVerification(r.dp_rank, _enum_name(wv_pb2.VerifyVerdict, r.verdict, "VERIFY_VERDICT_"),
-                                         r.recorded_digest, r.current_digest) for r in msg.ranks),
+            ranks=tuple(
+                RankVerification(
+                    r.dp_rank,
+                    _enum_name(wv_pb2.VerifyVerdict, r.verdict, "VERIFY_VERDICT_"),
+                    r.recorded_digest,
+                    r.current_digest,
+                )
+                for r in msg.ranks
+            ),
             weight_version=WeightVersion.from_proto(msg.weight_version),
         )
+
+
+@dataclass(frozen=True)
+class WeightsUpdateGroup:
+    """A group made by init_weights_update_group; the trainer is rank 0."""
+
+    group_name: str
+    backend: str
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int
+    num_engine_ranks: int

@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from enginectl.common.vocabulary import WeightSource as WeightSource  # re-exported
 from enginectl.weights.v1 import weight_version_pb2
-
-
-class WeightSource(str, enum.Enum):
-    """How the version in effect was declared."""
-
-    UNSPECIFIED = "UNSPECIFIED"
-    DECLARED = "DECLARED"
-    DISK = "DISK"
-    DISTRIBUTED = "DISTRIBUTED"
-    TENSORS = "TENSORS"
 
 
 @dataclass(frozen=True)
@@ -32,7 +22,7 @@ class UpdateFailure:
 
 @dataclass(frozen=True)
 class WeightVersion:
-    """The weight version an engine serves (DESIGN §4).
+    """The weight version an engine serves.
 
     `version` is None exactly when `declared` is False: never a placeholder string.
     """

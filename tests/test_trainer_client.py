@@ -36,7 +36,6 @@ from enginectl.client.errors import from_rpc_error
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
-
 TRAINER = Path(__file__).with_name("trainer_proc.py")
 PROC_TIMEOUT_S = 240.0
 
@@ -69,11 +68,15 @@ def back_to_a(client: TrainerClient, checkpoints: Checkpoints) -> Iterator[None]
     assert not client.generation_state().paused
 
 
-def run_trainer(server: ServeProcess, file: Path, version: str, mode: str,
-                timeout: float = 120.0) -> subprocess.Popen[str]:
+def run_trainer(
+    server: ServeProcess, file: Path, version: str, mode: str, timeout: float = 120.0
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(TRAINER), server.grpc_target, str(file), version, mode, str(timeout)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -87,8 +90,9 @@ def first_line(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return dict(json.loads(line))
 
 
-def assert_serving(client: TrainerClient, server: ServeProcess, tokens: list[int], version: str,
-                   source: WeightSource) -> None:
+def assert_serving(
+    client: TrainerClient, server: ServeProcess, tokens: list[int], version: str, source: WeightSource
+) -> None:
     wv = client.get_weight_version()
     assert (wv.declared, wv.version, wv.source, wv.last_failure) == (True, version, source, None)
     assert client.verify_weights().verdict == "MATCH"
@@ -97,7 +101,10 @@ def assert_serving(client: TrainerClient, server: ServeProcess, tokens: list[int
 
 
 def test_gloo_broadcast_from_trainer_subprocess(
-    client: TrainerClient, weights_server: ServeProcess, checkpoints: Checkpoints, tokens: dict[str, list[int]],
+    client: TrainerClient,
+    weights_server: ServeProcess,
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
     back_to_a: None,
 ) -> None:
     for which in ("B", "A"):
@@ -113,7 +120,10 @@ def test_gloo_broadcast_from_trainer_subprocess(
 
 
 def test_tensor_stream_a_to_b_and_back(
-    client: TrainerClient, weights_server: ServeProcess, checkpoints: Checkpoints, tokens: dict[str, list[int]],
+    client: TrainerClient,
+    weights_server: ServeProcess,
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
     back_to_a: None,
 ) -> None:
     for which in ("B", "A"):
@@ -128,7 +138,10 @@ def test_tensor_stream_a_to_b_and_back(
 
 
 def test_tensor_stream_of_an_nn_module_async(
-    weights_server: ServeProcess, checkpoints: Checkpoints, tokens: dict[str, list[int]], client: TrainerClient,
+    weights_server: ServeProcess,
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
+    client: TrainerClient,
     back_to_a: None,
 ) -> None:
     """A Hugging Face model's state_dict names are checkpoint names: the async client streams
@@ -147,8 +160,12 @@ def test_tensor_stream_of_an_nn_module_async(
 
 
 def test_disk_update_with_progress_bar(
-    client: TrainerClient, weights_server: ServeProcess, checkpoints: Checkpoints, tokens: dict[str, list[int]],
-    capfd: pytest.CaptureFixture[str], back_to_a: None,
+    client: TrainerClient,
+    weights_server: ServeProcess,
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
+    capfd: pytest.CaptureFixture[str],
+    back_to_a: None,
 ) -> None:
     result = client.update_weights_from_disk(str(checkpoints.b), "disk-B", progress=True)
     err = capfd.readouterr().err
@@ -187,7 +204,10 @@ def repair(client: TrainerClient, server: ServeProcess, checkpoints: Checkpoints
 
 
 def test_trainer_killed_mid_broadcast_leaves_partial_update_until_repaired(
-    client: TrainerClient, weights_server: ServeProcess, checkpoints: Checkpoints, tokens: dict[str, list[int]],
+    client: TrainerClient,
+    weights_server: ServeProcess,
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
     back_to_a: None,
 ) -> None:
     proc = run_trainer(weights_server, checkpoints.file("B"), "never", "die", timeout=30.0)
@@ -199,7 +219,10 @@ def test_trainer_killed_mid_broadcast_leaves_partial_update_until_repaired(
 
 
 def test_cancel_mid_broadcast_leaves_partial_update_until_repaired(
-    client: TrainerClient, weights_server: ServeProcess, checkpoints: Checkpoints, tokens: dict[str, list[int]],
+    client: TrainerClient,
+    weights_server: ServeProcess,
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
     back_to_a: None,
 ) -> None:
     proc = run_trainer(weights_server, checkpoints.file("B"), "never", "stall", timeout=120.0)
@@ -216,7 +239,10 @@ def test_cancel_mid_broadcast_leaves_partial_update_until_repaired(
 
 
 def test_in_process_sender_stops_with_the_operations_error_after_cancel(
-    client: TrainerClient, weights_server: ServeProcess, checkpoints: Checkpoints, tokens: dict[str, list[int]],
+    client: TrainerClient,
+    weights_server: ServeProcess,
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
     back_to_a: None,
 ) -> None:
     """The trainer's own broadcast does not hang when the server gives up: sending the rest
@@ -250,8 +276,9 @@ def stream(server: ServeProcess, messages: list[pb2.UpdateWeightsFromTensorsRequ
 def header(state: dict[str, Any], **fields: Any) -> pb2.UpdateWeightsFromTensorsRequest:
     from enginectl.client.trainer_tensors import tensor_spec
 
-    return pb2.UpdateWeightsFromTensorsRequest(header=pb2.TensorStreamHeader(
-        tensors=[tensor_spec(n, t) for n, t in state.items()], **fields))
+    return pb2.UpdateWeightsFromTensorsRequest(
+        header=pb2.TensorStreamHeader(tensors=[tensor_spec(n, t) for n, t in state.items()], **fields)
+    )
 
 
 def chunk(offset: int, data: bytes) -> pb2.UpdateWeightsFromTensorsRequest:
@@ -259,7 +286,10 @@ def chunk(offset: int, data: bytes) -> pb2.UpdateWeightsFromTensorsRequest:
 
 
 def test_bad_streams_get_their_reasons_and_change_nothing(
-    client: TrainerClient, weights_server: ServeProcess, checkpoints: Checkpoints, tokens: dict[str, list[int]],
+    client: TrainerClient,
+    weights_server: ServeProcess,
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
     back_to_a: None,
 ) -> None:
     client.update_weights_from_disk(str(checkpoints.a), "A")
@@ -273,13 +303,18 @@ def test_bad_streams_get_their_reasons_and_change_nothing(
         ([chunk(0, b"x" * 16)], grpc.StatusCode.INVALID_ARGUMENT, Reason.HEADER_REQUIRED),
         ([header({"no.such.weight": first})], grpc.StatusCode.INVALID_ARGUMENT, Reason.TENSOR_MISMATCH),
         ([header(state), chunk(8, b"x" * 16)], grpc.StatusCode.INVALID_ARGUMENT, Reason.CHUNK_OUT_OF_ORDER),
-        ([header(state), chunk(0, b"x" * 16), chunk(0, b"x" * 16)], grpc.StatusCode.INVALID_ARGUMENT,
-         Reason.CHUNK_OUT_OF_ORDER),
-        ([header(state), chunk(0, b"x" * (4 * 1024 * 1024 + 1))], grpc.StatusCode.INVALID_ARGUMENT,
-         Reason.CHUNK_TOO_LARGE),
+        (
+            [header(state), chunk(0, b"x" * 16), chunk(0, b"x" * 16)],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            Reason.CHUNK_OUT_OF_ORDER,
+        ),
+        (
+            [header(state), chunk(0, b"x" * (4 * 1024 * 1024 + 1))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            Reason.CHUNK_TOO_LARGE,
+        ),
         ([header(state), chunk(0, b"")], grpc.StatusCode.INVALID_ARGUMENT, Reason.CHUNK_TOO_LARGE),
-        ([header(state), chunk(0, b"x" * (total + 1))], grpc.StatusCode.INVALID_ARGUMENT,
-         Reason.DATA_SIZE_MISMATCH),
+        ([header(state), chunk(0, b"x" * (total + 1))], grpc.StatusCode.INVALID_ARGUMENT, Reason.DATA_SIZE_MISMATCH),
         ([header(state), chunk(0, b"x" * small)], grpc.StatusCode.INVALID_ARGUMENT, Reason.DATA_SIZE_MISMATCH),
         ([header(state), header(state)], grpc.StatusCode.INVALID_ARGUMENT, Reason.HEADER_REQUIRED),
     ]
@@ -314,7 +349,9 @@ def test_nccl_group_is_refused_without_gpus(client: TrainerClient) -> None:
     assert client.destroy_weights_update_group("nccl-group", allow_missing=True) is False
 
 
-@pytest.mark.skipif(not _has_cuda(), reason="NCCL needs a CUDA GPU on the trainer and the engine; this machine has none")
+@pytest.mark.skipif(
+    not _has_cuda(), reason="NCCL needs a CUDA GPU on the trainer and the engine; this machine has none"
+)
 def test_nccl_broadcast_on_gpus(client: TrainerClient, checkpoints: Checkpoints, back_to_a: None) -> None:
     client.init_weights_update_group("nccl-group", backend="nccl")
     try:
@@ -328,7 +365,10 @@ def test_nccl_broadcast_on_gpus(client: TrainerClient, checkpoints: Checkpoints,
 
 
 def test_paused_context_manager_holds_generation_across_an_update(
-    client: TrainerClient, weights_server: ServeProcess, checkpoints: Checkpoints, tokens: dict[str, list[int]],
+    client: TrainerClient,
+    weights_server: ServeProcess,
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
     back_to_a: None,
 ) -> None:
     with client.paused("keep") as paused:
@@ -351,6 +391,19 @@ def test_paused_context_manager_holds_generation_across_an_update(
         client.pause_generation("sometimes")
 
 
+def test_blocking_watch_sees_an_update(client: TrainerClient, checkpoints: Checkpoints, back_to_a: None) -> None:
+    """TrainerClient has the watch of the blocking Client: it yields the version an update declared."""
+    now = client.get_weight_version()
+    watch = client.watch_weight_version(since_revision=now.revision, incarnation=now.incarnation)
+    result = client.update_weights_from_disk(str(checkpoints.a), f"watched-{now.revision}")
+    for seen in watch:
+        if seen.revision >= result.weight_version.revision:
+            break
+    watch.close()
+    assert seen == result.weight_version
+    assert (seen.version, seen.source) == (f"watched-{now.revision}", WeightSource.DISK)
+
+
 def test_invalid_update_raises_before_anything_changes(client: TrainerClient, checkpoints: Checkpoints) -> None:
     before = client.get_weight_version()
     with pytest.raises(InvalidArgumentError) as err:
@@ -366,9 +419,18 @@ def test_plain_progress_bar_draws_bytes_and_phase() -> None:
     from enginectl.client import ProgressBar, UpdateProgress
 
     def progress(done: int, phase: str) -> UpdateProgress:
-        return UpdateProgress(phase=phase, source="DISK", weight_version="v", tensors_done=done // 100,
-                              tensors_total=4, bytes_done=done, bytes_total=400, weights_modified=done > 0,
-                              paused_by_update=True, ranks=())
+        return UpdateProgress(
+            phase=phase,
+            source="DISK",
+            weight_version="v",
+            tensors_done=done // 100,
+            tensors_total=4,
+            bytes_done=done,
+            bytes_total=400,
+            weights_modified=done > 0,
+            paused_by_update=True,
+            ranks=(),
+        )
 
     out = io.StringIO()
     bar = ProgressBar(out, use_tqdm=False)

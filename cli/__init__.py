@@ -1,0 +1,28 @@
+"""The `enginectl` command: `enginectl serve ...` runs a server; every other command talks to one.
+
+`serve` needs the server extra (`pip install 'enginectl[server-cpu]'`) and is
+`enginectl.server.serve`; the client commands are `enginectl.client.cli` and need only
+`pip install enginectl`. Each side is imported only when its command runs, so the client
+never imports the server.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `enginectl` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        try:
+            from enginectl.server.serve import main as serve_main
+        except ImportError as exc:
+            print(
+                f"enginectl serve needs the server extra ({exc}); pip install 'enginectl[server-cpu]'", file=sys.stderr
+            )
+            return 2
+        return serve_main(argv[1:])
+    from enginectl.client.cli import main as client_main
+
+    return client_main(argv)

@@ -1,0 +1,214 @@
+"""The one concurrency model of the blocking clients: the asyncio classes, run on a private
+event loop in a daemon thread.
+
+`AsyncClient`, `AsyncTrainerClient`, `AsyncBroadcast` and `Planner` are the implementation.
+Each blocking class (`Client`, `TrainerClient`, `Broadcast`, `PlannerThread`) runs them on a
+`LoopThread`. `blocking(AsyncThing.method)` makes the blocking twin of an async method, with
+the same parameters, defaults, overloads, return type and docstring, so no method is written
+twice; `streaming` does the same for async iterators and `entering` for async context
+managers. Imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterator
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
+
+P = ParamSpec("P")
+T = TypeVar("T")
+V = TypeVar("V")
+CoreT = TypeVar("CoreT")
+CoreT_co = TypeVar("CoreT_co", covariant=True)
+
+
+class _End:
+    """Stands for the end of a bridged async iterator (StopAsyncIteration does not cross tasks)."""
+
+
+_END = _End()
+
+
+async def _next(stream: AsyncIterator[T]) -> T | _End:
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return _END
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    aclose: Callable[[], Awaitable[None]] | None = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _cancel(started: list[asyncio.Task[Any]]) -> None:
+    """Cancel the task of an abandoned `run` and wait until it has finished."""
+    for task in started:
+        task.cancel()
+    if started:
+        await asyncio.wait(started)
+
+
+class LoopThread:
+    """An asyncio event loop on a daemon thread, for blocking callers on any thread.
+
+    Everything an async object does (its gRPC channel, its tasks) happens on this one loop;
+    the blocking methods only hand it coroutines and wait for their results.
+    """
+
+    def __init__(self, name: str = "enginectl-client") -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._closing = False
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    def run(self, awaitable: Awaitable[T], timeout: float | None = None) -> T:
+        """Await `awaitable` on the loop; its result, or its exception raised here.
+
+        If the caller stops waiting first (`timeout`: TimeoutError, or KeyboardInterrupt), the
+        task is cancelled and has finished before this raises, so nothing runs on behind it.
+        """
+        if self._closing or threading.current_thread() is self._thread:
+            if isinstance(awaitable, Coroutine):
+                awaitable.close()  # it will never run: no "never awaited" warning
+            raise RuntimeError(
+                "the client is closed"
+                if self._closing
+                else "a blocking client method was called on its own event loop; use the async client"
+            )
+        started: list[asyncio.Task[Any]] = []
+
+        async def tracked() -> T:
+            task = asyncio.current_task()
+            if task is not None:
+                started.append(task)
+            return await awaitable
+
+        future = asyncio.run_coroutine_threadsafe(tracked(), self._loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            if not future.done():
+                # The loop runs callbacks in order: `tracked` has started before `_cancel` does.
+                asyncio.run_coroutine_threadsafe(_cancel(started), self._loop).result()
+            raise
+
+    def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Call the plain function `fn` on the loop's thread (to read state the loop owns)."""
+
+        async def on_loop() -> T:
+            return fn(*args, **kwargs)
+
+        return self.run(on_loop())
+
+    def iterate(self, stream: AsyncIterator[T]) -> Generator[T, None, None]:
+        """A blocking iterator over `stream`, reading one item per step (no read-ahead, so a
+        slow reader slows the stream, as with the async one). Closing it, or leaving a for
+        loop early, closes `stream` on the loop."""
+        try:
+            while not isinstance(item := self.run(_next(stream)), _End):
+                yield item
+        finally:
+            if self._closing:
+                pass  # the loop closed its async generators when it stopped
+            elif threading.current_thread() is self._thread:  # collected on the loop itself
+                self._loop.create_task(_aclose(stream))
+            else:
+                self.run(_aclose(stream))
+
+    @contextlib.contextmanager
+    def enter(self, manager: AbstractAsyncContextManager[T]) -> Iterator[T]:
+        """A blocking context manager around the async `manager`: entered and exited on the loop."""
+        value = self.run(manager.__aenter__())
+        try:
+            yield value
+        except BaseException as exc:
+            if not self.run(manager.__aexit__(type(exc), exc, exc.__traceback__)):
+                raise
+        else:
+            self.run(manager.__aexit__(None, None, None))
+
+    def close(self) -> None:
+        """Stop the loop and its thread (once the owner closed what runs on it). Idempotent."""
+        if self._closing:
+            return
+        self.run(self._loop.shutdown_asyncgens())
+        self._closing = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+class Facade(Protocol[CoreT_co]):
+    """A blocking class: the async object it fronts (`_core`) and the loop that runs it."""
+
+    @property
+    def _core(self) -> CoreT_co: ...
+
+    @property
+    def _loop(self) -> LoopThread: ...
+
+
+@overload
+def blocking(
+    method: Callable[Concatenate[CoreT, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[Facade[CoreT], P], T]: ...
+
+
+@overload
+def blocking(
+    method: Callable[Concatenate[CoreT, P], Coroutine[Any, Any, T]],
+    view: Callable[[LoopThread, T], V],
+) -> Callable[Concatenate[Facade[CoreT], P], V]: ...
+
+
+def blocking(
+    method: Callable[Concatenate[CoreT, P], Coroutine[Any, Any, T]],
+    view: Callable[[LoopThread, T], Any] | None = None,
+) -> Callable[Concatenate[Facade[CoreT], P], Any]:
+    """The blocking twin of an async method, for the body of a Facade class:
+
+        get_weight_version = blocking(AsyncClient.get_weight_version)
+
+    With `view`, the result is wrapped in it (a blocking view of a returned async object).
+    """
+
+    @functools.wraps(method)
+    def call(self: Facade[CoreT], /, *args: P.args, **kwargs: P.kwargs) -> Any:
+        result = self._loop.run(method(self._core, *args, **kwargs))
+        return result if view is None else view(self._loop, result)
+
+    return call
+
+
+def streaming(
+    method: Callable[Concatenate[CoreT, P], AsyncIterator[T]],
+) -> Callable[Concatenate[Facade[CoreT], P], Generator[T, None, None]]:
+    """The blocking twin of an async-iterator method: a generator (see LoopThread.iterate)."""
+
+    @functools.wraps(method)
+    def call(self: Facade[CoreT], /, *args: P.args, **kwargs: P.kwargs) -> Generator[T, None, None]:
+        return self._loop.iterate(method(self._core, *args, **kwargs))
+
+    return call
+
+
+def entering(
+    method: Callable[Concatenate[CoreT, P], AbstractAsyncContextManager[T]],
+) -> Callable[Concatenate[Facade[CoreT], P], AbstractContextManager[T]]:
+    """The blocking twin of an async-context-manager method (see LoopThread.enter)."""
+
+    @functools.wraps(method)
+    def call(self: Facade[CoreT], /, *args: P.args, **kwargs: P.kwargs) -> AbstractContextManager[T]:
+        return self._loop.enter(method(self._core, *args, **kwargs))
+
+    return call
