@@ -1,1 +1,1 @@
-"""enginectl benchmarks (DESIGN §8): `python -m bench` from the repository root."""
+"""enginectl benchmarks (bench/README.md): `python -m bench` from the repository root."""

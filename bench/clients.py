@@ -24,14 +24,10 @@ import select
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 
+from bench.lines import emit, report_errors
 from bench.stats import summarize_ms
-
-
-def emit(event: str, **fields: object) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
 
 
 def _parse_target(spec: str) -> tuple[str, str, str, str]:
@@ -101,7 +97,7 @@ class _Probe:
         for _ in range(n):
             try:
                 dt = self.once()
-            except Exception as err:  # noqa: BLE001 - counted and reported
+            except Exception as err:  # counted and reported; re-raised past 20
                 self.errors += 1
                 self.last_error = repr(err)[:200]
                 if self.errors > 20:
@@ -138,11 +134,20 @@ def cmd_latency(args: argparse.Namespace) -> None:
     elapsed = time.monotonic() - t0
     for p in probes:
         p.close()
-    emit("result", elapsed_s=round(elapsed, 3), truncated=truncated, targets={
-        p.name: {**summarize_ms(p.samples), "errors": p.errors, "reconnects": p.reconnects,
-                 "last_error": p.last_error}
-        for p in probes
-    })
+    emit(
+        "result",
+        elapsed_s=round(elapsed, 3),
+        truncated=truncated,
+        targets={
+            p.name: {
+                **summarize_ms(p.samples),
+                "errors": p.errors,
+                "reconnects": p.reconnects,
+                "last_error": p.last_error,
+            }
+            for p in probes
+        },
+    )
 
 
 # -- throughput ----------------------------------------------------------------------------
@@ -161,8 +166,10 @@ async def _throughput(args: argparse.Namespace) -> None:
         from enginectl.weights.v1 import weight_version_service_pb2_grpc as pb2_grpc
 
         # A local subchannel pool gives every client its own TCP connection.
-        channels = [grpc.aio.insecure_channel(hostport, options=[("grpc.use_local_subchannel_pool", 1)])
-                    for _ in range(args.clients)]
+        channels = [
+            grpc.aio.insecure_channel(hostport, options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(args.clients)
+        ]
         await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in channels)), 30)
         request = pb2.GetWeightVersionRequest()
         calls = [pb2_grpc.WeightVersionServiceStub(c).GetWeightVersion for c in channels]
@@ -176,8 +183,7 @@ async def _throughput(args: argparse.Namespace) -> None:
         import aiohttp
 
         url = f"http://{hostport}{path}"
-        sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
-                    for _ in range(args.clients)]
+        sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) for _ in range(args.clients)]
 
         async def one(i: int) -> None:
             async with sessions[i].get(url) as resp:
@@ -193,7 +199,7 @@ async def _throughput(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             try:
                 await one(i)
-            except Exception:  # noqa: BLE001 - counted
+            except Exception:  # counted; re-raised past 50
                 errors[i] += 1
                 if errors[i] > 50:
                     raise
@@ -227,8 +233,16 @@ async def _throughput(args: argparse.Namespace) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         await close()
     total = sum(counts)
-    emit("result", target=name, clients=args.clients, window_s=round(window, 3), requests=total,
-         rps=round(total / window, 1), errors=sum(errors), latency=summarize_ms(latencies))
+    emit(
+        "result",
+        target=name,
+        clients=args.clients,
+        window_s=round(window, 3),
+        requests=total,
+        rps=round(total / window, 1),
+        errors=sum(errors),
+        latency=summarize_ms(latencies),
+    )
 
 
 def cmd_throughput(args: argparse.Namespace) -> None:
@@ -244,10 +258,17 @@ def cmd_rollouts(args: argparse.Namespace) -> None:
     streams_started: set[int] = set()
     done = {"completions": 0, "tokens": 0, "errors": 0}
     durations: list[float] = []
-    body = json.dumps({
-        "model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens,
-        "min_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
-    })
+    body = json.dumps(
+        {
+            "model": args.model,
+            "prompt": args.prompt,
+            "max_tokens": args.max_tokens,
+            "min_tokens": args.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+        }
+    )
     t_start = time.monotonic()
     deadline = t_start + args.max_seconds
 
@@ -256,8 +277,7 @@ def cmd_rollouts(args: argparse.Namespace) -> None:
             conn = http.client.HTTPConnection(host, int(port), timeout=60)
             t0 = time.monotonic()
             try:
-                conn.request("POST", "/v1/completions", body=body,
-                             headers={"Content-Type": "application/json"})
+                conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
                 resp = conn.getresponse()
                 if resp.status != 200:
                     raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
@@ -309,10 +329,17 @@ def cmd_rollouts(args: argparse.Namespace) -> None:
     for t in threads:
         t.join(65)
     durations.sort()
-    emit("result", streams=args.streams, max_tokens=args.max_tokens, load_s=round(load_s, 3),
-         completions=done["completions"], tokens=done["tokens"], errors=done["errors"],
-         tokens_per_s=round(tokens_in_load / load_s, 1) if load_s else None,
-         completion_s_p50=round(durations[len(durations) // 2], 3) if durations else None)
+    emit(
+        "result",
+        streams=args.streams,
+        max_tokens=args.max_tokens,
+        load_s=round(load_s, 3),
+        completions=done["completions"],
+        tokens=done["tokens"],
+        errors=done["errors"],
+        tokens_per_s=round(tokens_in_load / load_s, 1) if load_s else None,
+        completion_s_p50=round(durations[len(durations) // 2], 3) if durations else None,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,12 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. Once upon a time")
     p.add_argument("--max-seconds", type=float, default=180.0)
     args = parser.parse_args(argv)
-    try:
-        {"latency": cmd_latency, "throughput": cmd_throughput, "rollouts": cmd_rollouts}[args.cmd](args)
-    except Exception as err:  # noqa: BLE001 - reported to the parent
-        emit("error", message=repr(err), traceback=traceback.format_exc()[-2000:])
-        return 1
-    return 0
+    command = {"latency": cmd_latency, "throughput": cmd_throughput, "rollouts": cmd_rollouts}[args.cmd]
+    return report_errors(lambda: command(args))
 
 
 if __name__ == "__main__":

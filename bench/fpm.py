@@ -1,4 +1,4 @@
-"""FPM figures of DESIGN §8: scheduler -> planner latency p99 and fan-in throughput with 8
+"""FPM figures (bench/README.md, figure 4): scheduler -> planner latency p99 and fan-in throughput with 8
 subscribers. Called by bench/run.py (phase `fpm`) with the enginectl server it started.
 
 Runs in the `python -m bench` process, which only orchestrates: publishers and subscribers
@@ -23,7 +23,8 @@ from typing import Any
 
 import psutil
 
-from bench.procs import ServerProcess, Worker
+from bench.harness import ServeProcess
+from bench.procs import Worker, rollout_driver
 
 LATENCY_P99_TARGET_MS = 5.0
 FANIN_TARGET = 50_000
@@ -36,7 +37,7 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def relay_endpoint(srv: ServerProcess) -> str:
+def relay_endpoint(srv: ServeProcess) -> str:
     """The relay's ipc endpoint: the unix socket the server process bound in its private
     `enginectl-fpm-*` directory (also in its `fpm relay listening` log line, long scrolled
     out of the bench's tail by now)."""
@@ -50,7 +51,7 @@ def _worker(args: list[str]) -> Worker:
     return Worker(args, module="bench.fpm_clients")
 
 
-def phase_latency(eng: ServerProcess, quick: bool) -> dict[str, Any]:
+def phase_latency(eng: ServeProcess, quick: bool) -> dict[str, Any]:
     seconds = 4.0 if quick else 12.0
     streams = 2
     sub = _worker(["subscribe", "--target", eng.grpc_target, "--latency", "--max-seconds", str(seconds + 240)])
@@ -58,8 +59,7 @@ def phase_latency(eng: ServerProcess, quick: bool) -> dict[str, Any]:
     try:
         sub.expect("ready", 60)
         log(f"fpm latency: {streams} rollout streams for {seconds:.0f}s; engine step samples to 1 subscriber")
-        driver = Worker(["rollouts", "--http", f"127.0.0.1:{eng.http_port}", "--model", str(eng.serving["model"]),
-                         "--streams", str(streams), "--max-tokens", "64", "--max-seconds", str(seconds + 150)])
+        driver = rollout_driver(eng, streams, 64, seconds + 150)
         driver.expect("started", 150)
         time.sleep(seconds)  # the measurement window (load runs meanwhile)
         driver.send("stop")
@@ -70,23 +70,57 @@ def phase_latency(eng: ServerProcess, quick: bool) -> dict[str, Any]:
         if driver is not None:
             driver.finish()
         sub.finish()
-    return {"streams": streams, "window_s": seconds, "latency": result["latency"],
-            "tokens_per_s": load.get("tokens_per_s"), "subscriber": result["subscribers"][0]}
+    return {
+        "streams": streams,
+        "window_s": seconds,
+        "latency": result["latency"],
+        "tokens_per_s": load.get("tokens_per_s"),
+        "subscriber": result["subscribers"][0],
+    }
 
 
-def _fanin_once(eng: ServerProcess, endpoint: str, rate: float, seconds: float) -> dict[str, Any]:
+def _fanin_once(eng: ServeProcess, endpoint: str, rate: float, seconds: float) -> dict[str, Any]:
     per_pub = int(rate * seconds / PUB_PROCS)
     total = per_pub * PUB_PROCS
     tag = f"{int(rate)}-{time.monotonic_ns() % 10**6}"
     workers = [f"bench-{tag}-p{i}" for i in range(PUB_PROCS)]
     probes = [f"probe-{w}" for w in workers]
-    subs = [_worker(["subscribe", "--target", eng.grpc_target, "--subscribers", str(SUBSCRIBERS // SUB_PROCS),
-                     "--expect", str(total), "--max-seconds", str(seconds + 120),
-                     *[x for w in workers for x in ("--worker", w)],
-                     *[x for p in probes if i == 0 for x in ("--probe", p)]])
-            for i in range(SUB_PROCS)]
-    pubs = [_worker(["publish", "--endpoint", endpoint, "--worker", w, "--probe", p, "--rate", str(rate / PUB_PROCS),
-                     "--count", str(per_pub)]) for w, p in zip(workers, probes)]
+    subs = [
+        _worker(
+            [
+                "subscribe",
+                "--target",
+                eng.grpc_target,
+                "--subscribers",
+                str(SUBSCRIBERS // SUB_PROCS),
+                "--expect",
+                str(total),
+                "--max-seconds",
+                str(seconds + 120),
+                *[x for w in workers for x in ("--worker", w)],
+                *[x for p in probes if i == 0 for x in ("--probe", p)],
+            ]
+        )
+        for i in range(SUB_PROCS)
+    ]
+    pubs = [
+        _worker(
+            [
+                "publish",
+                "--endpoint",
+                endpoint,
+                "--worker",
+                w,
+                "--probe",
+                p,
+                "--rate",
+                str(rate / PUB_PROCS),
+                "--count",
+                str(per_pub),
+            ]
+        )
+        for w, p in zip(workers, probes, strict=True)
+    ]
     try:
         for w in subs + pubs:
             w.expect("ready", 60)
@@ -104,15 +138,19 @@ def _fanin_once(eng: ServerProcess, endpoint: str, rate: float, seconds: float) 
     delivered = [s["received"] / (s["last_at"] - t0) if s["last_at"] else 0.0 for s in per_sub]
     ok = all(s["received"] == total and s["missed"] == 0 and s["out_of_order"] == 0 for s in per_sub)
     return {
-        "offered_rate": rate, "samples": total, "publish_rate": round(sum(s["rate"] for s in sent), 1),
+        "offered_rate": rate,
+        "samples": total,
+        "publish_rate": round(sum(s["rate"] for s in sent), 1),
         "zero_loss": ok,
-        "delivered_rate_min": round(min(delivered), 1), "delivered_rate_max": round(max(delivered), 1),
-        "received_min": min(s["received"] for s in per_sub), "missed_max": max(s["missed"] for s in per_sub),
+        "delivered_rate_min": round(min(delivered), 1),
+        "delivered_rate_max": round(max(delivered), 1),
+        "received_min": min(s["received"] for s in per_sub),
+        "missed_max": max(s["missed"] for s in per_sub),
         "out_of_order": sum(s["out_of_order"] for s in per_sub),
     }
 
 
-def phase_fanin(eng: ServerProcess, quick: bool) -> dict[str, Any]:
+def phase_fanin(eng: ServeProcess, quick: bool) -> dict[str, Any]:
     endpoint = relay_endpoint(eng)
     seconds = 2.0 if quick else 5.0
     rates = [50_000.0] if quick else [25_000.0, 50_000.0, 75_000.0, 100_000.0]
@@ -123,8 +161,13 @@ def phase_fanin(eng: ServerProcess, quick: bool) -> dict[str, Any]:
         log(f"fpm fan-in: {runs[-1]}")
     passing = [r for r in runs if r["zero_loss"]]
     best = max(passing, key=lambda r: r["delivered_rate_min"]) if passing else None
-    return {"subscribers": SUBSCRIBERS, "publishers": PUB_PROCS, "window_s": seconds, "runs": runs,
-            "best_zero_loss": best}
+    return {
+        "subscribers": SUBSCRIBERS,
+        "publishers": PUB_PROCS,
+        "window_s": seconds,
+        "runs": runs,
+        "best_zero_loss": best,
+    }
 
 
 def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -133,18 +176,34 @@ def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
     lat = results.get("fpm_latency")
     if lat:
         p99 = lat["latency"].get("p99_ms")
-        out.append({"figure": f"FPM scheduler -> planner latency p99 ({lat['streams']} rollout streams)",
-                    "baseline": "—", "baseline_value": None, "enginectl_value": p99, "unit": "ms",
-                    "ratio": "—", "target": f"< {LATENCY_P99_TARGET_MS} ms",
-                    "met": None if p99 is None else p99 < LATENCY_P99_TARGET_MS})
+        out.append(
+            {
+                "figure": f"FPM scheduler -> planner latency p99 ({lat['streams']} rollout streams)",
+                "baseline": "—",
+                "baseline_value": None,
+                "enginectl_value": p99,
+                "unit": "ms",
+                "ratio": "—",
+                "target": f"< {LATENCY_P99_TARGET_MS} ms",
+                "met": None if p99 is None else p99 < LATENCY_P99_TARGET_MS,
+            }
+        )
     fan = results.get("fpm_fanin")
     if fan:
         best = fan["best_zero_loss"]
         value = best["delivered_rate_min"] if best else 0.0
-        out.append({"figure": f"FPM fan-in throughput, {fan['subscribers']} subscribers, zero loss",
-                    "baseline": "—", "baseline_value": None, "enginectl_value": value, "unit": "samples/s",
-                    "ratio": "—", "target": f">= {FANIN_TARGET} samples/s",
-                    "met": bool(best) and best["offered_rate"] >= FANIN_TARGET})
+        out.append(
+            {
+                "figure": f"FPM fan-in throughput, {fan['subscribers']} subscribers, zero loss",
+                "baseline": "—",
+                "baseline_value": None,
+                "enginectl_value": value,
+                "unit": "samples/s",
+                "ratio": "—",
+                "target": f">= {FANIN_TARGET} samples/s",
+                "met": bool(best) and best["offered_rate"] >= FANIN_TARGET,
+            }
+        )
     return out
 
 
@@ -153,20 +212,30 @@ def markdown(results: dict[str, Any]) -> list[str]:
     lat = results.get("fpm_latency")
     if lat:
         s = lat["latency"]
-        title = (f"FPM latency, EngineCore step -> subscriber ({lat['streams']} rollout streams, "
-                 f"{lat['tokens_per_s']} tokens/s, {lat['window_s']}s; ms):")
-        row = (f"| {s.get('n')} | {s.get('p50_ms')} | {s.get('p90_ms')} | {s.get('p99_ms')} | "
-               f"{s.get('p999_ms')} | {s.get('max_ms')} |")
+        title = (
+            f"FPM latency, EngineCore step -> subscriber ({lat['streams']} rollout streams, "
+            f"{lat['tokens_per_s']} tokens/s, {lat['window_s']}s; ms):"
+        )
+        row = (
+            f"| {s.get('n')} | {s.get('p50_ms')} | {s.get('p90_ms')} | {s.get('p99_ms')} | "
+            f"{s.get('p999_ms')} | {s.get('max_ms')} |"
+        )
         lines += ["", title, "", "| n | p50 | p90 | p99 | p99.9 | max |", "|---|---|---|---|---|---|", row]
     fan = results.get("fpm_fanin")
     if fan:
-        title = (f"FPM fan-in ({fan['publishers']} publisher processes x 4 ranks, {fan['subscribers']} "
-                 f"subscribers in {SUB_PROCS} processes, {fan['window_s']}s per rate; samples/s):")
-        header = ("| offered | published | delivered (slowest sub) | delivered (fastest sub) | zero loss | "
-                  "max missed | out of order |")
+        title = (
+            f"FPM fan-in ({fan['publishers']} publisher processes x 4 ranks, {fan['subscribers']} "
+            f"subscribers in {SUB_PROCS} processes, {fan['window_s']}s per rate; samples/s):"
+        )
+        header = (
+            "| offered | published | delivered (slowest sub) | delivered (fastest sub) | zero loss | "
+            "max missed | out of order |"
+        )
         lines += ["", title, "", header, "|---|---|---|---|---|---|---|"]
         for r in fan["runs"]:
-            lines.append(f"| {r['offered_rate']:.0f} | {r['publish_rate']:.0f} | {r['delivered_rate_min']:.0f} | "
-                         f"{r['delivered_rate_max']:.0f} | {'yes' if r['zero_loss'] else '**no**'} | "
-                         f"{r['missed_max']} | {r['out_of_order']} |")
+            lines.append(
+                f"| {r['offered_rate']:.0f} | {r['publish_rate']:.0f} | {r['delivered_rate_min']:.0f} | "
+                f"{r['delivered_rate_max']:.0f} | {'yes' if r['zero_loss'] else '**no**'} | "
+                f"{r['missed_max']} | {r['out_of_order']} |"
+            )
     return lines

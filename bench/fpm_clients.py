@@ -21,24 +21,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import select
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 
 import grpc
 import zmq
 
+from bench.lines import emit, report_errors
 from bench.stats import summarize_ms
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
-
-def emit(event: str, **fields: object) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
 
 
 # -- subscribe -------------------------------------------------------------------------------
@@ -71,7 +67,8 @@ async def _subscribe(args: argparse.Namespace) -> None:
     async def watch_probes() -> None:
         async with grpc.aio.insecure_channel(args.target) as channel:
             call = svc_grpc.ForwardPassMetricsServiceStub(channel).StreamForwardPassMetrics(
-                svc_pb2.StreamForwardPassMetricsRequest(filter=svc_pb2.ForwardPassMetricsFilter(worker_ids=args.probe)))
+                svc_pb2.StreamForwardPassMetricsRequest(filter=svc_pb2.ForwardPassMetricsFilter(worker_ids=args.probe))
+            )
             try:
                 async for response in call:
                     for sample in response.batch.samples:
@@ -148,10 +145,20 @@ async def _subscribe(args: argparse.Namespace) -> None:
     await stop.wait()
     await asyncio.gather(*tasks, return_exceptions=True)
     latencies = [x for s in subs for x in s.latencies]
-    emit("result", subscribers=[
-        {"received": s.received, "missed": s.missed, "out_of_order": s.out_of_order,
-         "first_at": s.first_at, "last_at": s.last_at} for s in subs
-    ], latency=summarize_ms(latencies) if args.latency else None)
+    emit(
+        "result",
+        subscribers=[
+            {
+                "received": s.received,
+                "missed": s.missed,
+                "out_of_order": s.out_of_order,
+                "first_at": s.first_at,
+                "last_at": s.last_at,
+            }
+            for s in subs
+        ],
+        latency=summarize_ms(latencies) if args.latency else None,
+    )
 
 
 def cmd_subscribe(args: argparse.Namespace) -> None:
@@ -161,9 +168,17 @@ def cmd_subscribe(args: argparse.Namespace) -> None:
 # -- publish ---------------------------------------------------------------------------------
 def _sample(worker: str, rank: int, counter: int) -> bytes:
     msg = fpm_pb2.ForwardPassMetrics(
-        schema_version=1, worker_id=worker, dp_rank=rank, counter_id=counter, identity_generation=1,
-        incarnation="bench-publisher", kind=fpm_pb2.SAMPLE_KIND_STEP, wall_time=0.01,
-        kv_cache_usage=0.25, num_running=4, num_waiting=1,
+        schema_version=1,
+        worker_id=worker,
+        dp_rank=rank,
+        counter_id=counter,
+        identity_generation=1,
+        incarnation="bench-publisher",
+        kind=fpm_pb2.SAMPLE_KIND_STEP,
+        wall_time=0.01,
+        kv_cache_usage=0.25,
+        num_running=4,
+        num_waiting=1,
     )
     msg.scheduled.num_decode_requests = 4
     msg.scheduled.sum_decode_kv_tokens = 512
@@ -228,12 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, required=True)
     p.add_argument("--count", type=int, required=True)
     args = parser.parse_args(argv)
-    try:
-        {"subscribe": cmd_subscribe, "publish": cmd_publish}[args.cmd](args)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        emit("error", message=repr(exc), traceback=traceback.format_exc())
-        return 1
-    return 0
+    command = {"subscribe": cmd_subscribe, "publish": cmd_publish}[args.cmd]
+    return report_errors(lambda: command(args))
 
 
 if __name__ == "__main__":

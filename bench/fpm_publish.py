@@ -1,4 +1,4 @@
-"""FPM publish cost per scheduler step, relative to the step time (DESIGN §8: < 1%).
+"""FPM publish cost per scheduler step, relative to the step time (target: < 1%).
 
 Two halves, one file:
 - `phase(quick)` runs in the `python -m bench` process: it starts the worker below as a
@@ -48,9 +48,18 @@ def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
     if not res:
         return []
     ratio = res["engine_thread_ratio"]
-    return [{"figure": "FPM publish cost per scheduler step (engine thread)", "baseline": "step wall time",
-             "baseline_value": res["step_ms_mean"], "enginectl_value": res["engine_thread_us_per_step"] / 1e3,
-             "unit": "ms", "ratio": ratio, "target": f"< {TARGET_RATIO}", "met": ratio < TARGET_RATIO}]
+    return [
+        {
+            "figure": "FPM publish cost per scheduler step (engine thread)",
+            "baseline": "step wall time",
+            "baseline_value": res["step_ms_mean"],
+            "enginectl_value": res["engine_thread_us_per_step"] / 1e3,
+            "unit": "ms",
+            "ratio": ratio,
+            "target": f"< {TARGET_RATIO}",
+            "met": ratio < TARGET_RATIO,
+        }
+    ]
 
 
 def markdown(results: dict[str, Any]) -> list[str]:
@@ -58,10 +67,13 @@ def markdown(results: dict[str, Any]) -> list[str]:
     if not res:
         return []
     return [
-        "", f"FPM publish cost ({res['steps']} non-empty steps, batches of {res['batch']} x "
+        "",
+        f"FPM publish cost ({res['steps']} non-empty steps, batches of {res['batch']} x "
         f"{res['max_tokens']} tokens, tiny model in-process; median round; engine-thread CPU time, "
-        f"net of the timing layer's {res.get('timing_layer_us_per_step')} µs):", "",
-        "| measure | per step | / step time |", "|---|---|---|",
+        f"net of the timing layer's {res.get('timing_layer_us_per_step')} µs):",
+        "",
+        "| measure | per step | / step time |",
+        "|---|---|---|",
         f"| step wall time (schedule to output processed) | {res['step_ms_mean']:.3f} ms | 1 |",
         f"| enginectl scheduler work on the engine thread | {res['engine_thread_us_per_step']:.1f} µs | "
         f"{res['engine_thread_ratio']:.4f} |",
@@ -103,7 +115,7 @@ def _timed_scheduler_class() -> tuple[type, dict[str, float]]:
     (outer - inner) is one layer's own cost, so enginectl's work = (inner - vllm) - (outer - inner)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from enginectl.worker.fpm_scheduler import FpmScheduler
+    from enginectl.worker.fpm.scheduler import FpmScheduler
 
     totals = {"outer": 0.0, "inner": 0.0, "vllm": 0.0}
     timed_vllm = _timing_layer("vllm", Scheduler, totals)
@@ -142,32 +154,53 @@ def _publisher_cost(frames: list[bytes]) -> float:
     without subscribers, so this is the sender's cost alone) the received samples again."""
     import zmq
 
+    from enginectl.contract.fpm import sample_frame
     from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
-    from enginectl.worker.fpm_identity import IdentityState
-    from enginectl.worker.fpm_load import QueuedLoad, ScheduledLoad
-    from enginectl.worker.fpm_publisher import Sample, sample_proto
+    from enginectl.worker.fpm.identity import IdentityState
+    from enginectl.worker.fpm.load import QueuedLoad, ScheduledLoad
+    from enginectl.worker.fpm.publisher import Sample, sample_proto
 
     samples = []
     for frame in frames:
         m = fpm_pb2.ForwardPassMetrics.FromString(frame)
         s, q = m.scheduled, m.queued
-        samples.append(Sample(
-            kind=m.kind, counter_id=m.counter_id, identity=IdentityState(m.worker_id, m.identity_generation),
-            emit_time_ns=m.emit_time.ToNanoseconds(), wall_time=m.wall_time, idle=m.idle,
-            scheduled=ScheduledLoad(s.num_prefill_requests, s.sum_prefill_tokens, s.var_prefill_length,
-                                    s.sum_prefill_kv_tokens, s.num_decode_requests, s.sum_decode_kv_tokens,
-                                    s.var_decode_kv_tokens),
-            queued=QueuedLoad(q.num_prefill_requests, q.sum_prefill_tokens, q.var_prefill_length,
-                              q.num_decode_requests, q.sum_decode_kv_tokens, q.var_decode_kv_tokens),
-            kv_cache_usage=m.kv_cache_usage, num_running=m.num_running, num_waiting=m.num_waiting,
-            dropped_since_last=m.dropped_since_last,
-        ))
+        samples.append(
+            Sample(
+                kind=m.kind,
+                counter_id=m.counter_id,
+                identity=IdentityState(m.worker_id, m.identity_generation),
+                emit_time_ns=m.emit_time.ToNanoseconds(),
+                wall_time=m.wall_time,
+                idle=m.idle,
+                scheduled=ScheduledLoad(
+                    s.num_prefill_requests,
+                    s.sum_prefill_tokens,
+                    s.var_prefill_length,
+                    s.sum_prefill_kv_tokens,
+                    s.num_decode_requests,
+                    s.sum_decode_kv_tokens,
+                    s.var_decode_kv_tokens,
+                ),
+                queued=QueuedLoad(
+                    q.num_prefill_requests,
+                    q.sum_prefill_tokens,
+                    q.var_prefill_length,
+                    q.num_decode_requests,
+                    q.sum_decode_kv_tokens,
+                    q.var_decode_kv_tokens,
+                ),
+                kv_cache_usage=m.kv_cache_usage,
+                num_running=m.num_running,
+                num_waiting=m.num_waiting,
+                dropped_since_last=m.dropped_since_last,
+            )
+        )
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.XPUB)
     sock.bind("inproc://fpm-publish-cost")
     t0 = time.perf_counter()
     for sample in samples:
-        sock.send(sample_proto(sample, 0, "bench").SerializeToString(), zmq.NOBLOCK)
+        sock.send(sample_frame(sample_proto(sample, 0, "bench")), zmq.NOBLOCK)
     elapsed = time.perf_counter() - t0
     sock.close(linger=0)
     return elapsed / max(1, len(samples))
@@ -185,6 +218,7 @@ def worker_main(argv: list[str]) -> int:
 
     from vllm import LLM, SamplingParams
 
+    from enginectl.contract.engine import CONFIG_KEY, EngineConfig, wire
     from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
     from enginectl.server.default_model import ensure_default_model
 
@@ -193,11 +227,21 @@ def worker_main(argv: list[str]) -> int:
         endpoint = f"ipc://{tmp}/fpm.sock"
         sub = Subscriber(endpoint)
         llm = LLM(
-            model=str(ensure_default_model()), dtype="float32", enforce_eager=True, max_model_len=256,
-            kv_cache_memory_bytes=64 * 1024 * 1024, max_num_seqs=args.batch, seed=0,
+            model=str(ensure_default_model()),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            kv_cache_memory_bytes=64 * 1024 * 1024,
+            max_num_seqs=args.batch,
+            seed=0,
             scheduler_cls=scheduler_cls,
-            additional_config={"enginectl": {"fpm_endpoint": endpoint, "worker_id": "bench",
-                                             "heartbeat_interval_s": 3600.0, "incarnation": "bench"}},
+            additional_config={
+                CONFIG_KEY: wire(
+                    EngineConfig(
+                        fpm_endpoint=endpoint, worker_id="bench", heartbeat_interval_s=3600.0, incarnation="bench"
+                    )
+                )
+            },
         )
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         prompts = [{"prompt_token_ids": [1 + (i * 7 + j) % 200 for j in range(8 + 4 * i)]} for i in range(args.batch)]
@@ -215,11 +259,15 @@ def worker_main(argv: list[str]) -> int:
             llm.generate(prompts, params, use_tqdm=False)
             frames = sub.take(scheduler.fpm_publisher._counter - first + 1)
             received += frames
-            steps_now = [m for m in map(fpm_pb2.ForwardPassMetrics.FromString, frames)
-                         if m.kind == fpm_pb2.SAMPLE_KIND_STEP and m.counter_id >= first]
+            steps_now = [
+                m
+                for m in map(fpm_pb2.ForwardPassMetrics.FromString, frames)
+                if m.kind == fpm_pb2.SAMPLE_KIND_STEP and m.counter_id >= first
+            ]
             layer = totals["outer"] - totals["inner"]
-            rounds.append((totals["inner"] - totals["vllm"] - layer, sum(m.wall_time for m in steps_now),
-                           len(steps_now), layer))
+            rounds.append(
+                (totals["inner"] - totals["vllm"] - layer, sum(m.wall_time for m in steps_now), len(steps_now), layer)
+            )
         made = scheduler.fpm_publisher._counter - made_before
         sub.close()
         samples = [fpm_pb2.ForwardPassMetrics.FromString(f) for f in received]
@@ -228,8 +276,12 @@ def worker_main(argv: list[str]) -> int:
         engine_thread_s, step_s, n_steps, layer_s = median
         per_sample_s = _publisher_cost(received)
         result = {
-            "event": "result", "rounds": args.rounds, "batch": args.batch, "max_tokens": args.max_tokens,
-            "steps": len(steps), "step_ms_mean": round(step_s / n_steps * 1e3, 4),
+            "event": "result",
+            "rounds": args.rounds,
+            "batch": args.batch,
+            "max_tokens": args.max_tokens,
+            "steps": len(steps),
+            "step_ms_mean": round(step_s / n_steps * 1e3, 4),
             "engine_thread_us_per_step": round(engine_thread_s / n_steps * 1e6, 2),
             "engine_thread_ratio": round(engine_thread_s / step_s, 5),
             "engine_thread_ratio_per_round": [round(r[0] / r[1], 5) for r in rounds],
@@ -237,7 +289,8 @@ def worker_main(argv: list[str]) -> int:
             "loadavg": [round(x, 2) for x in os.getloadavg()],
             "publisher_us_per_sample": round(per_sample_s * 1e6, 2),
             "publisher_ratio": round(per_sample_s * n_steps / step_s, 5),
-            "samples_made": made, "samples_received": len(samples),
+            "samples_made": made,
+            "samples_received": len(samples),
             "samples_dropped": sum(s.dropped_since_last for s in samples),
         }
         print(json.dumps(result), flush=True)

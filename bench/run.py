@@ -1,37 +1,39 @@
-"""`python -m bench`: GetWeightVersion latency, latency under rollouts and throughput (DESIGN §8
-rows 1-3), measured side by side against baselines in one run; writes bench/results/.
+"""`python -m bench`: GetWeightVersion latency, latency under rollouts and throughput
+(bench/README.md, figures 1-3), measured side by side against baselines in one run; writes
+bench/results/.
 
 Runs in its own process, which only orchestrates: servers and load generators are separate
-subprocesses (see procs.py, servers.py, clients.py).
+subprocesses (see harness.py, procs.py, servers.py, clients.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import http.client
 import importlib.metadata
 import json
 import os
 import platform
-import sys
-import dataclasses
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench import fpm, fpm_publish, weights
-from bench.procs import ServerProcess, Worker, baseline_server, enginectl_server
+from bench.harness import ServeProcess
+from bench.procs import Worker, baseline_server, enginectl_server, rollout_driver
 from bench.stats import ratio
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PHASES = ("latency", "rollouts", "throughput", "fpm", "fpm_publish", "weights")
 DIAGNOSTIC_VARIANTS = ("bare-uvloop", "intercepted-nolog", "intercepted", "controlplane")
-TARGETS = {  # DESIGN §8
-    "latency_vs_bare": 1.15,     # enginectl p50 / bare grpc.aio p50 <=
-    "latency_vs_http": 0.66,     # enginectl p50 / vLLM HTTP p50 <=
-    "p99_under_rollouts": 3.0,   # loaded p99 / idle p99 <=
+TARGETS = {  # bench/README.md, figures 1-3
+    "latency_vs_bare": 1.15,  # enginectl p50 / bare grpc.aio p50 <=
+    "latency_vs_http": 0.66,  # enginectl p50 / vLLM HTTP p50 <=
+    "p99_under_rollouts": 3.0,  # loaded p99 / idle p99 <=
     "throughput_vs_bare": 0.85,  # enginectl req/s / bare req/s >=
 }
 
@@ -84,15 +86,18 @@ def repo_info() -> dict[str, object]:
 
     def git(*args: str) -> str | None:
         try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                                  timeout=10, check=True).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "--short", "HEAD"),
-            "dirty": None if status is None else bool(status),
-            "modified": status.splitlines() if status else []}
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "dirty": None if status is None else bool(status),
+        "modified": status.splitlines() if status else [],
+    }
 
 
 def machine_info() -> dict[str, object]:
@@ -122,7 +127,7 @@ def machine_info() -> dict[str, object]:
 HTTP_STARTUP_LINE = b"Application startup complete"  # uvicorn, logged just before it listens
 
 
-def wait_http_ready(srv: ServerProcess, startup_line, timeout: float = 60.0) -> dict:
+def wait_http_ready(srv: ServeProcess, startup_line, timeout: float = 60.0) -> dict:
     """vLLM's HTTP API may not listen yet when enginectl logs `serving`: wait for uvicorn's
     startup line, then probe; a refused probe waits for more server output (bounded)."""
     t0 = time.monotonic()
@@ -138,8 +143,7 @@ def wait_http_ready(srv: ServerProcess, startup_line, timeout: float = 60.0) -> 
             if time.monotonic() > deadline or srv.proc is None or srv.proc.poll() is not None:
                 raise RuntimeError(f"vLLM HTTP API never accepted connections:\n{srv.tail()}") from None
             srv.wait_output(0.05)
-    return {"startup_line_seen": line_seen, "probes": probes,
-            "after_serving_s": round(time.monotonic() - t0, 3)}
+    return {"startup_line_seen": line_seen, "probes": probes, "after_serving_s": round(time.monotonic() - t0, 3)}
 
 
 def http_get_status(port: int, path: str) -> int:
@@ -155,8 +159,17 @@ def http_get_status(port: int, path: str) -> int:
 
 # -- phases --------------------------------------------------------------------------------
 def run_latency_worker(targets: dict[str, str], cfg: Config, samples: int, max_s: float) -> dict:
-    args = ["latency", "--samples", str(samples), "--warmup", str(cfg.latency_warmup),
-            "--block", str(cfg.latency_block), "--max-seconds", str(max_s)]
+    args = [
+        "latency",
+        "--samples",
+        str(samples),
+        "--warmup",
+        str(cfg.latency_warmup),
+        "--block",
+        str(cfg.latency_block),
+        "--max-seconds",
+        str(max_s),
+    ]
     for name, spec in targets.items():
         args += ["--target", f"{name}={spec}"]
     worker = Worker(args)
@@ -166,7 +179,7 @@ def run_latency_worker(targets: dict[str, str], cfg: Config, samples: int, max_s
         worker.finish()
 
 
-def phase_latency(servers: dict[str, ServerProcess], http_targets: dict[str, str], cfg: Config) -> dict:
+def phase_latency(servers: dict[str, ServeProcess], http_targets: dict[str, str], cfg: Config) -> dict:
     targets = {name: f"grpc:{srv.grpc_target}" for name, srv in servers.items()}
     targets.update(http_targets)
     log(f"latency: {cfg.latency_samples} samples x {len(targets)} targets, interleaved blocks")
@@ -174,7 +187,7 @@ def phase_latency(servers: dict[str, ServerProcess], http_targets: dict[str, str
     return {"targets": res["targets"], "elapsed_s": res["elapsed_s"], "truncated": res["truncated"]}
 
 
-def phase_rollouts(servers: dict[str, ServerProcess], http_targets: dict[str, str], cfg: Config) -> dict:
+def phase_rollouts(servers: dict[str, ServeProcess], http_targets: dict[str, str], cfg: Config) -> dict:
     eng = servers["enginectl"]
     targets = {"enginectl": f"grpc:{eng.grpc_target}", "bare": f"grpc:{servers['bare'].grpc_target}"}
     first_http = next(iter(http_targets))
@@ -183,9 +196,7 @@ def phase_rollouts(servers: dict[str, ServerProcess], http_targets: dict[str, st
     log(f"rollouts: idle p99, {n} samples")
     idle = run_latency_worker(targets, cfg, n, max_s)
     log(f"rollouts: {cfg.rollout_streams} streaming /v1/completions x {cfg.rollout_tokens} tokens, looping")
-    driver = Worker(["rollouts", "--http", f"127.0.0.1:{eng.http_port}", "--model", str(eng.serving["model"]),
-                     "--streams", str(cfg.rollout_streams), "--max-tokens", str(cfg.rollout_tokens),
-                     "--max-seconds", str(max_s + 150)])
+    driver = rollout_driver(eng, cfg.rollout_streams, cfg.rollout_tokens, max_s + 150)
     try:
         started = driver.expect("started", 150)
         log(f"rollouts: load running; p99 under load, {n} samples")
@@ -196,16 +207,36 @@ def phase_rollouts(servers: dict[str, ServerProcess], http_targets: dict[str, st
         driver.finish()
     log(f"rollouts: idle again, {n} samples")
     idle_after = run_latency_worker(targets, cfg, n, max_s)
-    return {"idle": idle["targets"], "loaded": loaded["targets"], "idle_after": idle_after["targets"],
-            "loaded_truncated": loaded["truncated"], "load": {**load, "started_after_s": started["after_s"]},
-            "http_target": first_http}
+    return {
+        "idle": idle["targets"],
+        "loaded": loaded["targets"],
+        "idle_after": idle_after["targets"],
+        "loaded_truncated": loaded["truncated"],
+        "load": {**load, "started_after_s": started["after_s"]},
+        "http_target": first_http,
+    }
 
 
-def run_throughput_once(name: str, spec: str, server: ServerProcess, cfg: Config) -> dict:
+def run_throughput_once(name: str, spec: str, server: ServeProcess, cfg: Config) -> dict:
     per_proc = cfg.tp_clients // cfg.tp_procs
-    workers = [Worker(["throughput", "--target", f"{name}={spec}", "--clients", str(per_proc),
-                       "--warmup-seconds", str(cfg.tp_warmup_s), "--seconds", str(cfg.tp_window_s),
-                       "--max-seconds", "120"]) for _ in range(cfg.tp_procs)]
+    workers = [
+        Worker(
+            [
+                "throughput",
+                "--target",
+                f"{name}={spec}",
+                "--clients",
+                str(per_proc),
+                "--warmup-seconds",
+                str(cfg.tp_warmup_s),
+                "--seconds",
+                str(cfg.tp_window_s),
+                "--max-seconds",
+                "120",
+            ]
+        )
+        for _ in range(cfg.tp_procs)
+    ]
     try:
         for w in workers:
             w.expect("ready", 120)
@@ -221,7 +252,9 @@ def run_throughput_once(name: str, spec: str, server: ServerProcess, cfg: Config
     rps = sum(r["rps"] for r in results)
     window = max(r["window_s"] for r in results)
     return {
-        "rps": round(rps, 1), "requests": requests, "errors": sum(r["errors"] for r in results),
+        "rps": round(rps, 1),
+        "requests": requests,
+        "errors": sum(r["errors"] for r in results),
         "server_cpu_s": round(cpu1 - cpu0, 3),
         "server_cpu_util": round((cpu1 - cpu0) / window, 3),
         "server_cpu_us_per_req": round((cpu1 - cpu0) / requests * 1e6, 1) if requests else None,
@@ -230,19 +263,22 @@ def run_throughput_once(name: str, spec: str, server: ServerProcess, cfg: Config
     }
 
 
-def phase_throughput(servers: dict[str, ServerProcess], http_targets: dict[str, str], cfg: Config) -> dict:
+def phase_throughput(servers: dict[str, ServeProcess], http_targets: dict[str, str], cfg: Config) -> dict:
     eng = servers["enginectl"]
-    runs: list[tuple[str, str, ServerProcess]] = [
-        (name, f"grpc:{srv.grpc_target}", srv) for name, srv in servers.items()]
+    runs: list[tuple[str, str, ServeProcess]] = [
+        (name, f"grpc:{srv.grpc_target}", srv) for name, srv in servers.items()
+    ]
     first_http = next(iter(http_targets))
     runs.append((first_http, http_targets[first_http], eng))
     out: dict[str, dict] = {name: {"rounds": []} for name, _, _ in runs}
     for rnd in range(cfg.tp_rounds):
         for name, spec, srv in runs:
-            log(f"throughput: round {rnd + 1}/{cfg.tp_rounds}, {name}, {cfg.tp_clients} clients "
-                f"in {cfg.tp_procs} processes, {cfg.tp_window_s}s window")
+            log(
+                f"throughput: round {rnd + 1}/{cfg.tp_rounds}, {name}, {cfg.tp_clients} clients "
+                f"in {cfg.tp_procs} processes, {cfg.tp_window_s}s window"
+            )
             out[name]["rounds"].append(run_throughput_once(name, spec, srv, cfg))
-    for name, rec in out.items():
+    for rec in out.values():
         rounds = rec["rounds"]
         # Medians over the interleaved rounds: one round hit by a neighbour's burst moves nothing.
         rec["rps"] = median(r["rps"] for r in rounds)
@@ -251,19 +287,39 @@ def phase_throughput(servers: dict[str, ServerProcess], http_targets: dict[str, 
         rec["server_cpu_util"] = median(r["server_cpu_util"] for r in rounds)
         rec["errors"] = sum(r["errors"] for r in rounds)
         rec["latency_p50_ms"] = median(r["latency_p50_ms"] for r in rounds)
-    out["_config"] = {"clients": cfg.tp_clients, "processes": cfg.tp_procs, "window_s": cfg.tp_window_s,
-                      "rounds": cfg.tp_rounds, "http_target": first_http,
-                      "note": "server CPU for HTTP rows is the whole enginectl process"}
+    out["_config"] = {
+        "clients": cfg.tp_clients,
+        "processes": cfg.tp_procs,
+        "window_s": cfg.tp_window_s,
+        "rounds": cfg.tp_rounds,
+        "http_target": first_http,
+        "note": "server CPU for HTTP rows is the whole enginectl process",
+    }
     return out
 
 
 # -- figures -------------------------------------------------------------------------------
-def _figure(figure: str, baseline: str, base_val: float | None, eng_val: float | None, unit: str,
-            target: float, higher_is_better: bool) -> dict:
+def _figure(
+    figure: str,
+    baseline: str,
+    base_val: float | None,
+    eng_val: float | None,
+    unit: str,
+    target: float,
+    higher_is_better: bool,
+) -> dict:
     r = ratio(eng_val, base_val)
     met = None if r is None else (r >= target if higher_is_better else r <= target)
-    return {"figure": figure, "baseline": baseline, "baseline_value": base_val, "enginectl_value": eng_val,
-            "unit": unit, "ratio": r, "target": f"{'>=' if higher_is_better else '<='} {target}", "met": met}
+    return {
+        "figure": figure,
+        "baseline": baseline,
+        "baseline_value": base_val,
+        "enginectl_value": eng_val,
+        "unit": unit,
+        "ratio": r,
+        "target": f"{'>=' if higher_is_better else '<='} {target}",
+        "met": met,
+    }
 
 
 def figures(results: dict) -> list[dict]:
@@ -272,22 +328,54 @@ def figures(results: dict) -> list[dict]:
     if lat:
         t = lat["targets"]
         route = results["http_route"]
-        out.append(_figure("GetWeightVersion p50, 1 client, keep-alive", "bare grpc.aio unary p50",
-                           t["bare"].get("p50_ms"), t["enginectl"].get("p50_ms"), "ms",
-                           TARGETS["latency_vs_bare"], False))
-        out.append(_figure("GetWeightVersion p50, 1 client, keep-alive", f"vLLM HTTP GET {route} p50",
-                           t["http"].get("p50_ms"), t["enginectl"].get("p50_ms"), "ms",
-                           TARGETS["latency_vs_http"], False))
+        out.append(
+            _figure(
+                "GetWeightVersion p50, 1 client, keep-alive",
+                "bare grpc.aio unary p50",
+                t["bare"].get("p50_ms"),
+                t["enginectl"].get("p50_ms"),
+                "ms",
+                TARGETS["latency_vs_bare"],
+                False,
+            )
+        )
+        out.append(
+            _figure(
+                "GetWeightVersion p50, 1 client, keep-alive",
+                f"vLLM HTTP GET {route} p50",
+                t["http"].get("p50_ms"),
+                t["enginectl"].get("p50_ms"),
+                "ms",
+                TARGETS["latency_vs_http"],
+                False,
+            )
+        )
     ro = results.get("rollouts")
     if ro:
-        out.append(_figure(f"GetWeightVersion p99 during {ro['load']['streams']} rollout streams",
-                           "same p99, idle", ro["idle"]["enginectl"].get("p99_ms"),
-                           ro["loaded"]["enginectl"].get("p99_ms"), "ms", TARGETS["p99_under_rollouts"], False))
+        out.append(
+            _figure(
+                f"GetWeightVersion p99 during {ro['load']['streams']} rollout streams",
+                "same p99, idle",
+                ro["idle"]["enginectl"].get("p99_ms"),
+                ro["loaded"]["enginectl"].get("p99_ms"),
+                "ms",
+                TARGETS["p99_under_rollouts"],
+                False,
+            )
+        )
     tp = results.get("throughput")
     if tp:
-        out.append(_figure(f"GetWeightVersion throughput, {tp['_config']['clients']} clients",
-                           "bare grpc.aio req/s", tp["bare"]["rps"], tp["enginectl"]["rps"], "req/s",
-                           TARGETS["throughput_vs_bare"], True))
+        out.append(
+            _figure(
+                f"GetWeightVersion throughput, {tp['_config']['clients']} clients",
+                "bare grpc.aio req/s",
+                tp["bare"]["rps"],
+                tp["enginectl"]["rps"],
+                "req/s",
+                TARGETS["throughput_vs_bare"],
+                True,
+            )
+        )
     out += fpm.figures(results)
     out += fpm_publish.figures(results)
     out += weights.figures(results)
@@ -315,39 +403,60 @@ def markdown(results: dict) -> str:
     ]
     for f in results["figures"]:
         met = "n/a" if f["met"] is None else ("yes" if f["met"] else "**no**")
-        lines.append(f"| {f['figure']} | {f['baseline']} | {_fmt(f['baseline_value'], f['unit'])} | "
-                     f"{_fmt(f['enginectl_value'], f['unit'])} | {f['ratio']} | {f['target']} | {met} |")
+        lines.append(
+            f"| {f['figure']} | {f['baseline']} | {_fmt(f['baseline_value'], f['unit'])} | "
+            f"{_fmt(f['enginectl_value'], f['unit'])} | {f['ratio']} | {f['target']} | {met} |"
+        )
     lat = results.get("latency")
     if lat:
-        lines += ["", "Latency, 1 client (interleaved blocks; ms):", "",
-                  "| target | n | p50 | p90 | p99 | p99.9 | errors |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Latency, 1 client (interleaved blocks; ms):",
+            "",
+            "| target | n | p50 | p90 | p99 | p99.9 | errors |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, s in lat["targets"].items():
-            lines.append(f"| {name} | {s.get('n')} | {s.get('p50_ms')} | {s.get('p90_ms')} | {s.get('p99_ms')} | "
-                         f"{s.get('p999_ms')} | {s.get('errors')} |")
+            lines.append(
+                f"| {name} | {s.get('n')} | {s.get('p50_ms')} | {s.get('p90_ms')} | {s.get('p99_ms')} | "
+                f"{s.get('p999_ms')} | {s.get('errors')} |"
+            )
     ro = results.get("rollouts")
     if ro:
         ld = ro["load"]
-        lines += ["", f"p99 under rollouts ({ld['streams']} streams x {ld['max_tokens']} tokens, "
-                  f"{ld['tokens_per_s']} tokens/s, {ld['completions']} completions; ms):", "",
-                  "| target | idle p50 | idle p99 | loaded p50 | loaded p99 | idle-after p99 | loaded/idle p99 |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"p99 under rollouts ({ld['streams']} streams x {ld['max_tokens']} tokens, "
+            f"{ld['tokens_per_s']} tokens/s, {ld['completions']} completions; ms):",
+            "",
+            "| target | idle p50 | idle p99 | loaded p50 | loaded p99 | idle-after p99 | loaded/idle p99 |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name in ro["loaded"]:
             i, lo, a = ro["idle"][name], ro["loaded"][name], ro["idle_after"][name]
-            lines.append(f"| {name} | {i.get('p50_ms')} | {i.get('p99_ms')} | {lo.get('p50_ms')} | "
-                         f"{lo.get('p99_ms')} | {a.get('p99_ms')} | {ratio(lo.get('p99_ms'), i.get('p99_ms'))} |")
+            lines.append(
+                f"| {name} | {i.get('p50_ms')} | {i.get('p99_ms')} | {lo.get('p50_ms')} | "
+                f"{lo.get('p99_ms')} | {a.get('p99_ms')} | {ratio(lo.get('p99_ms'), i.get('p99_ms'))} |"
+            )
     tp = results.get("throughput")
     if tp:
         c = tp["_config"]
-        lines += ["", f"Throughput ({c['clients']} clients in {c['processes']} processes, "
-                  f"{c['rounds']} x {c['window_s']}s interleaved rounds, medians):", "",
-                  "| target | req/s | per round | server CPU µs/req | server CPU util | p50 ms | errors |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Throughput ({c['clients']} clients in {c['processes']} processes, "
+            f"{c['rounds']} x {c['window_s']}s interleaved rounds, medians):",
+            "",
+            "| target | req/s | per round | server CPU µs/req | server CPU util | p50 ms | errors |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, rec in tp.items():
             if name.startswith("_"):
                 continue
-            lines.append(f"| {name} | {rec['rps']:.0f} | {', '.join(str(round(r['rps'])) for r in rec['rounds'])} | "
-                         f"{rec['server_cpu_us_per_req']} | {rec['server_cpu_util']} | {rec['latency_p50_ms']} | "
-                         f"{rec['errors']} |")
+            lines.append(
+                f"| {name} | {rec['rps']:.0f} | {', '.join(str(round(r['rps'])) for r in rec['rounds'])} | "
+                f"{rec['server_cpu_us_per_req']} | {rec['server_cpu_util']} | {rec['latency_p50_ms']} | "
+                f"{rec['errors']} |"
+            )
     lines += fpm.markdown(results)
     lines += fpm_publish.markdown(results)
     lines += weights.markdown(results)
@@ -360,23 +469,35 @@ def markdown(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer samples and shorter windows (smoke run)")
-    parser.add_argument("--only", choices=PHASES, action="append",
-                        help="run only this phase (repeatable); default: all")
-    parser.add_argument("--no-diagnostics", action="store_true",
-                        help="skip the extra baseline variants (" + ", ".join(DIAGNOSTIC_VARIANTS) + ")")
+    parser.add_argument(
+        "--only", choices=PHASES, action="append", help="run only this phase (repeatable); default: all"
+    )
+    parser.add_argument(
+        "--no-diagnostics",
+        action="store_true",
+        help="skip the extra baseline variants (" + ", ".join(DIAGNOSTIC_VARIANTS) + ")",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
-    parser.add_argument("--rollout-streams", type=int, default=None,
-                        help="concurrent rollout streams during the p99 phase (default 4)")
+    parser.add_argument(
+        "--rollout-streams", type=int, default=None, help="concurrent rollout streams during the p99 phase (default 4)"
+    )
     args = parser.parse_args(argv)
     phases = [p for p in PHASES if not args.only or p in args.only]
     cfg = Config.make(args.quick)
     if args.rollout_streams is not None:
         cfg = dataclasses.replace(cfg, rollout_streams=args.rollout_streams)
-    results: dict = {"mode": "quick" if args.quick else "full", "phases": phases, "config": cfg.__dict__,
-                     "targets": TARGETS, "machine": machine_info(), "repo": repo_info(), "notes": []}
+    results: dict = {
+        "mode": "quick" if args.quick else "full",
+        "phases": phases,
+        "config": cfg.__dict__,
+        "targets": TARGETS,
+        "machine": machine_info(),
+        "repo": repo_info(),
+        "notes": [],
+    }
 
     want_variants = not args.no_diagnostics and any(p in phases for p in ("latency", "throughput"))
-    servers: dict[str, ServerProcess] = {
+    servers: dict[str, ServeProcess] = {
         "bare": baseline_server("bare"),
         **({v: baseline_server(v) for v in DIAGNOSTIC_VARIANTS} if want_variants else {}),
         "enginectl": enginectl_server(),
@@ -397,16 +518,20 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 stops.append(srv.stop())
                 del servers[name]
-                results["notes"].append(f"diagnostic variant {name} did not start; skipped: "
-                                        f"{str(err).splitlines()[-1][:200]}")
+                results["notes"].append(
+                    f"diagnostic variant {name} did not start; skipped: {str(err).splitlines()[-1][:200]}"
+                )
                 log(f"{name} did not start; skipped")
         results["http_ready"] = wait_http_ready(eng, startup_line)
-        log(f"servers ready after {time.monotonic() - t0:.1f}s; enginectl grpc {eng.grpc_target}, "
-            f"http {eng.http_port} (HTTP probes after `serving`: {results['http_ready']['probes']})")
+        log(
+            f"servers ready after {time.monotonic() - t0:.1f}s; enginectl grpc {eng.grpc_target}, "
+            f"http {eng.http_port} (HTTP probes after `serving`: {results['http_ready']['probes']})"
+        )
         if results["http_ready"]["probes"] > 1:
             results["notes"].append(
                 f"enginectl logged `serving` before vLLM's HTTP API accepted connections "
-                f"({results['http_ready']['probes'] - 1} refused probe(s)); the bench waits for it.")
+                f"({results['http_ready']['probes'] - 1} refused probe(s)); the bench waits for it."
+            )
 
         http_targets: dict[str, str] = {}
         if http_get_status(eng.http_port, "/weight_info") == 200:
@@ -415,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
             http_targets["http-version"] = f"http:127.0.0.1:{eng.http_port}/version"
             results["notes"].append(
                 "vLLM's /weight_info (rl router, needs VLLM_SERVER_DEV_MODE=1) asks the engine core "
-                "process over ZMQ; /version is the cheapest route (no engine) and is shown for reference.")
+                "process over ZMQ; /version is the cheapest route (no engine) and is shown for reference."
+            )
         else:
             results["http_route"] = "/version"
             http_targets["http"] = f"http:127.0.0.1:{eng.http_port}/version"

@@ -6,7 +6,7 @@ with its port, then serves on 127.0.0.1 until SIGTERM/SIGINT.
 Variants, each adding one layer of what `enginectl serve` has:
 - `bare`: grpc.aio server on the default asyncio loop, no options, no interceptors; a
   minimal WeightVersionServiceServicer whose GetWeightVersion returns a prebuilt response
-  (the same message enginectl answers on an idle server). The baseline of DESIGN §8.
+  (the same message enginectl answers on an idle server). The baseline of the latency and throughput targets.
 - `bare-uvloop`: the same on uvloop (the loop `enginectl serve` runs on).
 - `intercepted-nolog`: bare-uvloop + enginectl's RpcInterceptor as `enginectl serve`
   runs it by default (successful reads are not logged): the interceptor's wrapping alone.
@@ -27,8 +27,8 @@ import sys
 
 import grpc
 
-from enginectl.server.ledger import WeightVersionLedger
-from enginectl.server.weight_version_service import weight_version_proto
+from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.version_service import weight_version_proto
 from enginectl.weights.v1 import weight_version_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_service_pb2_grpc as pb2_grpc
 
@@ -41,7 +41,7 @@ class ConstantServicer(pb2_grpc.WeightVersionServiceServicer):
     def __init__(self, response: pb2.GetWeightVersionResponse) -> None:
         self._response = response
 
-    async def GetWeightVersion(self, request, context):  # noqa: N802 - gRPC method name
+    async def GetWeightVersion(self, request, context):  # the gRPC method name
         return self._response
 
 

@@ -49,6 +49,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
+
+from bench.harness import ServeProcess
+from bench.procs import Worker, enginectl_server
+from bench.run import HTTP_STARTUP_LINE, log, machine_info, repo_info, wait_http_ready
+from bench.stats import summarize_ms
 from enginectl.client import (
     AbortedError,
     AsyncClient,
@@ -64,10 +69,6 @@ from enginectl.client import (
     WeightVersion,
 )
 from enginectl.client.fpm import stream_forward_pass_metrics, stream_request
-
-from bench.procs import ServerProcess, Worker, enginectl_server
-from bench.run import HTTP_STARTUP_LINE, log, machine_info, repo_info, wait_http_ready
-from bench.stats import summarize_ms
 
 T = TypeVar("T")
 
@@ -129,8 +130,11 @@ class Errors:
 
     def internal(self) -> int:
         """UNKNOWN / INTERNAL statuses and HTTP 5xx: a server fault, never an expected outcome."""
-        return sum(n for k, n in self.counts.items()
-                   if k.split()[1] in ("UNKNOWN", "INTERNAL") or k.split()[1].startswith("HTTP_5"))
+        return sum(
+            n
+            for k, n in self.counts.items()
+            if k.split()[1] in ("UNKNOWN", "INTERNAL") or k.split()[1].startswith("HTTP_5")
+        )
 
     def total(self) -> int:
         return sum(self.counts.values())
@@ -185,7 +189,7 @@ def process_role(proc: psutil.Process, server_pid: int) -> str:
     return proc.name()
 
 
-def snapshot(server: ServerProcess, label: str, t0: float, during_update: bool = False) -> Snapshot:
+def snapshot(server: ServeProcess, label: str, t0: float, during_update: bool = False) -> Snapshot:
     try:
         root = psutil.Process(server.pid)
         procs = [root, *root.children(recursive=True)]
@@ -195,9 +199,15 @@ def snapshot(server: ServerProcess, label: str, t0: float, during_update: bool =
     for p in procs:
         try:
             with p.oneshot():
-                rows.append({"pid": p.pid, "role": process_role(p, server.pid),
-                             "rss_mib": round(p.memory_info().rss / MIB, 1), "fds": p.num_fds(),
-                             "threads": p.num_threads()})
+                rows.append(
+                    {
+                        "pid": p.pid,
+                        "role": process_role(p, server.pid),
+                        "rss_mib": round(p.memory_info().rss / MIB, 1),
+                        "fds": p.num_fds(),
+                        "threads": p.num_threads(),
+                    }
+                )
         except psutil.Error:
             continue
     return Snapshot(label, round(time.monotonic() - t0, 1), during_update, rows)
@@ -217,8 +227,18 @@ class RolloutStats:
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (t since start, seconds)
 
 
-def rollout_loop(port: int, vocab: int, seed: int, stop: threading.Event, deadline: float,
-                 max_requests: int, t0: float, stats: RolloutStats, lock: threading.Lock, errors: Errors) -> None:
+def rollout_loop(
+    port: int,
+    vocab: int,
+    seed: int,
+    stop: threading.Event,
+    deadline: float,
+    max_requests: int,
+    t0: float,
+    stats: RolloutStats,
+    lock: threading.Lock,
+    errors: Errors,
+) -> None:
     rng = random.Random(seed)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
     try:
@@ -226,14 +246,14 @@ def rollout_loop(port: int, vocab: int, seed: int, stop: threading.Event, deadli
             if stop.is_set() or time.monotonic() >= deadline:
                 break
             prompt = [rng.randrange(vocab) for _ in range(rng.randint(3, 150))]
-            body = json.dumps({"token_ids": prompt,
-                               "sampling_params": {"max_tokens": rng.randint(1, 11), "temperature": 0.0}})
+            body = json.dumps(
+                {"token_ids": prompt, "sampling_params": {"max_tokens": rng.randint(1, 11), "temperature": 0.0}}
+            )
             started = time.monotonic()
             with lock:
                 stats.requests += 1
             try:
-                conn.request("POST", "/inference/v1/generate", body=body,
-                             headers={"Content-Type": "application/json"})
+                conn.request("POST", "/inference/v1/generate", body=body, headers={"Content-Type": "application/json"})
                 resp = conn.getresponse()
                 data = resp.read()
             except (OSError, http.client.HTTPException) as exc:
@@ -267,8 +287,17 @@ class CasStats:
     etag_mismatch: int = 0
 
 
-def cas_loop(target: str, index: int, stop: threading.Event, deadline: float, max_rounds: int,
-             stats: CasStats, lock: threading.Lock, writes: Writes, errors: Errors) -> None:
+def cas_loop(
+    target: str,
+    index: int,
+    stop: threading.Event,
+    deadline: float,
+    max_rounds: int,
+    stats: CasStats,
+    lock: threading.Lock,
+    writes: Writes,
+    errors: Errors,
+) -> None:
     rng = random.Random(1000 + index)
     with Client(target, timeout=REQUEST_TIMEOUT_S) as client:
         for i in range(max_rounds):
@@ -310,8 +339,15 @@ class Updater:
     """Back-to-back updates, rotating the sources and checkpoints; holds `lock` during each
     step so that resource snapshots fall between two updates."""
 
-    def __init__(self, target: str, trainer: Worker, checkpoints: dict[str, str], sources: tuple[str, ...],
-                 writes: Writes, errors: Errors) -> None:
+    def __init__(
+        self,
+        target: str,
+        trainer: Worker,
+        checkpoints: dict[str, str],
+        sources: tuple[str, ...],
+        writes: Writes,
+        errors: Errors,
+    ) -> None:
         self.target, self.trainer, self.checkpoints, self.sources = target, trainer, checkpoints, sources
         self.writes, self.errors = writes, errors
         self.lock = threading.Lock()
@@ -321,8 +357,7 @@ class Updater:
         try:
             result = client.update_weights_from_disk(self.checkpoints[which], version, timeout=UPDATE_TIMEOUT_S)
         except EnginectlError as err:
-            return {"ok": False, "stage": "disk", "code": err.code.name, "reason": err.reason,
-                    "message": err.message}
+            return {"ok": False, "stage": "disk", "code": err.code.name, "reason": err.reason, "message": err.message}
         v = result.weight_version
         return {"ok": True, "revision": v.revision, "version": v.version, "server_s": result.duration}
 
@@ -427,9 +462,10 @@ class Streams:
         # own receive window (1 KiB here, and no BDP probing, which would grow it to megabytes),
         # then its queue on the server (FPM_SUBSCRIBER_QUEUE): ~600 samples, so a 40 s stall
         # overflows them once it reads live (after a resume has replayed what it missed).
-        self.fpm = [FpmStats("fpm-reader", max_batch=0, session_s=(2.0, 8.0)),
-                    FpmStats("fpm-slow-reader", max_batch=4, session_s=(50.0, 90.0), stall_every=300,
-                             stall_s=40.0)]
+        self.fpm = [
+            FpmStats("fpm-reader", max_batch=0, session_s=(2.0, 8.0)),
+            FpmStats("fpm-slow-reader", max_batch=4, session_s=(50.0, 90.0), stall_every=300, stall_s=40.0),
+        ]
         self._tasks: list[asyncio.Task[None]] = []
         self._recorder: asyncio.Task[None] | None = None
 
@@ -444,15 +480,18 @@ class Streams:
             self._client = AsyncClient(self.target, timeout=REQUEST_TIMEOUT_S)
             self._stop = asyncio.Event()
             self._recorder = asyncio.ensure_future(self._record())
+
         self._run(begin(), 30)
         with self._seen:
             if not self._seen.wait_for(lambda: bool(self.states), 60):
                 raise RuntimeError("WatchWeightVersion sent no current state within 60s")
 
         async def churners() -> None:
-            self._tasks = [asyncio.ensure_future(self._churn_watch(random.Random(7))),
-                           *(asyncio.ensure_future(self._churn_fpm(s, random.Random(11 + i)))
-                             for i, s in enumerate(self.fpm))]
+            self._tasks = [
+                asyncio.ensure_future(self._churn_watch(random.Random(7))),
+                *(asyncio.ensure_future(self._churn_fpm(s, random.Random(11 + i))) for i, s in enumerate(self.fpm)),
+            ]
+
         self._run(churners(), 30)
 
     async def _record(self) -> None:
@@ -524,9 +563,12 @@ class Streams:
             budget = 0  # samples this subscription said it missed and no jump used yet
             first = True
             unstalled = 0
-            request = stream_request(include_heartbeats=True, max_batch_size=st.max_batch,
-                                     resume_after_sequence=resume,
-                                     resume_incarnation=st.incarnation if resume is not None else "")
+            request = stream_request(
+                include_heartbeats=True,
+                max_batch_size=st.max_batch,
+                resume_after_sequence=resume,
+                resume_incarnation=st.incarnation if resume is not None else "",
+            )
             async for msg in stream_forward_pass_metrics(channel, request):
                 if isinstance(msg, FpmProgress):
                     if first:
@@ -588,6 +630,7 @@ class Streams:
         async def stop() -> None:
             self._stop.set()
             await asyncio.wait(self._tasks, timeout=timeout)
+
         self._run(stop(), timeout + 5)
 
     def wait_for_etag(self, etag: str, timeout: float) -> bool:
@@ -599,9 +642,9 @@ class Streams:
         async def end() -> None:
             for task in [*self._tasks, *([self._recorder] if self._recorder else [])]:
                 task.cancel()
-            await asyncio.gather(*self._tasks, *([self._recorder] if self._recorder else []),
-                                 return_exceptions=True)
+            await asyncio.gather(*self._tasks, *([self._recorder] if self._recorder else []), return_exceptions=True)
             await self._client.close()
+
         # Closing whatever exists (start may have failed half-way): never hide the run's result.
         with contextlib.suppress(Exception):
             self._run(end(), 30)
@@ -661,28 +704,41 @@ def growth(before: Snapshot, after: Snapshot, series: list[dict[str, Any]]) -> l
         rss = (p["rss_mib"] - b["rss_mib"]) * MIB
         rss_bound = max(RSS_GROWTH_FLOOR, RSS_GROWTH_FRACTION * b["rss_mib"] * MIB)
         key = f"{p['role']} {p['pid']}"
-        trend = [(s["t_s"] / 60, s["rss_mib"][key]) for s in series
-                 if before.t_s <= s["t_s"] <= after.t_s and key in s["rss_mib"]]
-        whole, last = slope(trend), slope(trend[len(trend) // 2:])
+        trend = [
+            (s["t_s"] / 60, s["rss_mib"][key])
+            for s in series
+            if before.t_s <= s["t_s"] <= after.t_s and key in s["rss_mib"]
+        ]
+        whole, last = slope(trend), slope(trend[len(trend) // 2 :])
         updates = after.updates - before.updates
-        rows.append({"pid": p["pid"], "role": p["role"],
-                     "rss_mib": round(rss / MIB, 1), "rss_bound_mib": round(rss_bound / MIB, 1),
-                     "fds": p["fds"] - b["fds"], "threads": p["threads"] - b["threads"],
-                     "rss_mib_per_min": None if whole is None else round(whole, 2),
-                     "rss_mib_per_min_last_half": None if last is None else round(last, 2),
-                     "rss_kib_per_update": round(rss / 1024 / updates, 1) if updates else None,
-                     "ok": rss <= rss_bound and p["fds"] - b["fds"] <= FD_GROWTH
-                     and p["threads"] - b["threads"] <= THREAD_GROWTH})
+        rows.append(
+            {
+                "pid": p["pid"],
+                "role": p["role"],
+                "rss_mib": round(rss / MIB, 1),
+                "rss_bound_mib": round(rss_bound / MIB, 1),
+                "fds": p["fds"] - b["fds"],
+                "threads": p["threads"] - b["threads"],
+                "rss_mib_per_min": None if whole is None else round(whole, 2),
+                "rss_mib_per_min_last_half": None if last is None else round(last, 2),
+                "rss_kib_per_update": round(rss / 1024 / updates, 1) if updates else None,
+                "ok": rss <= rss_bound
+                and p["fds"] - b["fds"] <= FD_GROWTH
+                and p["threads"] - b["threads"] <= THREAD_GROWTH,
+            }
+        )
     return rows
 
 
 def guarded(name: str, errors: Errors, fn: Callable[..., None], *args: Any) -> threading.Thread:
     """A daemon thread running `fn(*args)`; a crash is recorded as an error, never lost."""
+
     def body() -> None:
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - reported in the results
             errors.add(name, "CRASHED", type(exc).__name__, repr(exc))
+
     return threading.Thread(target=body, name=name, daemon=True)
 
 
@@ -703,7 +759,7 @@ class Soak:
     snapshots: dict[str, Snapshot] = field(default_factory=dict)
     series: list[dict[str, Any]] = field(default_factory=list)
 
-    def alive(self, server: ServerProcess, start: Snapshot, dead_line: threading.Event) -> bool:
+    def alive(self, server: ServeProcess, start: Snapshot, dead_line: threading.Event) -> bool:
         """Whether the server and every process it had at start are still running."""
         if server.proc is None or server.proc.poll() is not None:
             self.deaths.append(f"enginectl serve exited with {server.proc.returncode if server.proc else None}")
@@ -717,7 +773,7 @@ class Soak:
             return False
         return True
 
-    def take(self, server: ServerProcess, label: str, t0: float, updater: Updater | None) -> Snapshot:
+    def take(self, server: ServeProcess, label: str, t0: float, updater: Updater | None) -> Snapshot:
         """A snapshot between two updates (waits for the one running, bounded)."""
         held = updater is not None and updater.lock.acquire(timeout=UPDATE_TIMEOUT_S + 30)
         try:
@@ -727,26 +783,43 @@ class Soak:
             if held and updater is not None:
                 updater.lock.release()
         self.snapshots[label] = snap
-        log(f"{label}: " + ", ".join(f"{p['role']} {p['rss_mib']} MiB {p['fds']} fds {p['threads']} threads"
-                                     for p in snap.processes))
+        log(
+            f"{label}: "
+            + ", ".join(f"{p['role']} {p['rss_mib']} MiB {p['fds']} fds {p['threads']} threads" for p in snap.processes)
+        )
         return snap
 
     def run(self) -> dict[str, Any]:
         t_begin = time.monotonic()
         root = Path(tempfile.mkdtemp(prefix="enginectl-soak-"))
-        server = enginectl_server(["--enable-scale-out", "--worker-id", WORKER_ID,
-                                   "--allow-weights-from", str(root),
-                                   "--fpm-subscriber-queue", str(FPM_SUBSCRIBER_QUEUE)])
+        server = enginectl_server(
+            [
+                "--enable-scale-out",
+                "--worker-id",
+                WORKER_ID,
+                "--allow-weights-from",
+                str(root),
+                "--fpm-subscriber-queue",
+                str(FPM_SUBSCRIBER_QUEUE),
+            ]
+        )
         server.name = "enginectl-soak"
         startup_line = server.watch(HTTP_STARTUP_LINE)
         dead_line = server.watch(b"EngineDeadError")
-        results: dict[str, Any] = {"machine": machine_info(), "repo": repo_info(),
-                                   "config": {"duration_s": self.duration, "warmup_s": self.warmup,
-                                              "rollout_threads": self.rollouts, "cas_writers": 2,
-                                              "sources": list(self.sources),
-                                              "fpm_subscriber_queue": FPM_SUBSCRIBER_QUEUE,
-                                              "sample_interval_s": SAMPLE_INTERVAL_S,
-                                              "update_timeout_s": UPDATE_TIMEOUT_S}}
+        results: dict[str, Any] = {
+            "machine": machine_info(),
+            "repo": repo_info(),
+            "config": {
+                "duration_s": self.duration,
+                "warmup_s": self.warmup,
+                "rollout_threads": self.rollouts,
+                "cas_writers": 2,
+                "sources": list(self.sources),
+                "fpm_subscriber_queue": FPM_SUBSCRIBER_QUEUE,
+                "sample_interval_s": SAMPLE_INTERVAL_S,
+                "update_timeout_s": UPDATE_TIMEOUT_S,
+            },
+        }
         trainer: Worker | None = None
         streams: Streams | None = None
         threads: list[threading.Thread] = []
@@ -760,8 +833,10 @@ class Soak:
             results["server"] = {k: server.serving.get(k) for k in ("model", "dp_size", "grpc_port", "http_port")}
             vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
             log(f"serving on {target}; building checkpoints A and B under {root}")
-            trainer = Worker(["--target", target, "--model", model, "--root", str(root),
-                              "--timeout", str(UPDATE_TIMEOUT_S)], module="bench.soak_trainer")
+            trainer = Worker(
+                ["--target", target, "--model", model, "--root", str(root), "--timeout", str(UPDATE_TIMEOUT_S)],
+                module="bench.soak_trainer",
+            )
             ready = trainer.expect("ready", 300)
             results["checkpoints"] = {"tensors": ready["tensors"], "bytes": ready["bytes"]}
 
@@ -775,10 +850,41 @@ class Soak:
             cas, c_lock = CasStats(), threading.Lock()
             bound = int(self.duration * 200) + 100  # far above any rate here: time ends the loops
             threads = [
-                *(guarded(f"rollout-{i}", self.errors, rollout_loop, server.http_port, vocab, i, stop, deadline,
-                          bound, t0, rollouts, r_lock, self.errors) for i in range(self.rollouts)),
-                *(guarded(f"cas-{i}", self.errors, cas_loop, target, i, stop, deadline, bound, cas, c_lock,
-                          self.writes, self.errors) for i in range(2)),
+                *(
+                    guarded(
+                        f"rollout-{i}",
+                        self.errors,
+                        rollout_loop,
+                        server.http_port,
+                        vocab,
+                        i,
+                        stop,
+                        deadline,
+                        bound,
+                        t0,
+                        rollouts,
+                        r_lock,
+                        self.errors,
+                    )
+                    for i in range(self.rollouts)
+                ),
+                *(
+                    guarded(
+                        f"cas-{i}",
+                        self.errors,
+                        cas_loop,
+                        target,
+                        i,
+                        stop,
+                        deadline,
+                        bound,
+                        cas,
+                        c_lock,
+                        self.writes,
+                        self.errors,
+                    )
+                    for i in range(2)
+                ),
                 guarded("updater", self.errors, updater.run, stop, deadline, bound),
             ]
             for t in threads:
@@ -795,13 +901,22 @@ class Soak:
                     break
                 if now >= next_sample:
                     s = snapshot(server, "series", t0)
-                    self.series.append({"t_s": s.t_s, "rss_mib": {f"{p['role']} {p['pid']}": p["rss_mib"]
-                                                                  for p in s.processes},
-                                        "fds": s.total("fds"), "threads": s.total("threads"),
-                                        "rollouts": rollouts.completed, "updates": sum(updater.stats.ok.values()),
-                                        "cas": cas.succeeded, "errors": self.errors.total()})
-                    log(f"t={s.t_s:.0f}s rollouts {rollouts.completed}, updates {dict(updater.stats.ok)}, "
-                        f"cas {cas.succeeded}/{cas.rounds}, errors {self.errors.total()}")
+                    self.series.append(
+                        {
+                            "t_s": s.t_s,
+                            "rss_mib": {f"{p['role']} {p['pid']}": p["rss_mib"] for p in s.processes},
+                            "fds": s.total("fds"),
+                            "threads": s.total("threads"),
+                            "rollouts": rollouts.completed,
+                            "updates": sum(updater.stats.ok.values()),
+                            "cas": cas.succeeded,
+                            "errors": self.errors.total(),
+                        }
+                    )
+                    log(
+                        f"t={s.t_s:.0f}s rollouts {rollouts.completed}, updates {dict(updater.stats.ok)}, "
+                        f"cas {cas.succeeded}/{cas.rounds}, errors {self.errors.total()}"
+                    )
                     next_sample += SAMPLE_INTERVAL_S
                 if "after_warmup" not in self.snapshots and now >= warm_at:
                     self.take(server, "after_warmup", t0, updater)
@@ -856,43 +971,93 @@ class Soak:
         dead = sum(n for k, n in self.errors.counts.items() if Reason.ENGINE_DEAD in k)
         out: list[dict[str, Any]] = [
             check("soak ran to its end", r.get("crash", "yes"), "no exception", "crash" not in r),
-            check("engine alive", "died: " + "; ".join(self.deaths) if self.deaths else "yes", "alive to the end",
-                  not self.deaths and not dead, f"{dead} ENGINE_DEAD answers" if dead else ""),
+            check(
+                "engine alive",
+                "died: " + "; ".join(self.deaths) if self.deaths else "yes",
+                "alive to the end",
+                not self.deaths and not dead,
+                f"{dead} ENGINE_DEAD answers" if dead else "",
+            ),
         ]
         warm, end = self.snapshots.get("after_warmup"), self.snapshots.get("end")
         if warm is not None and end is not None:
             rows = growth(warm, end, self.series)
             bad = [g for g in rows if not g["ok"]]
-            out.append(check("resource growth after warm-up", rows,
-                             f"per process: RSS <= max({RSS_GROWTH_FLOOR // MIB} MiB, "
-                             f"{RSS_GROWTH_FRACTION:.0%}), fds <= +{FD_GROWTH}, threads <= +{THREAD_GROWTH}",
-                             not bad, "; ".join(f"{g['role']} pid {g['pid']}: RSS {g['rss_mib']:+} MiB, "
-                                                f"fds {g['fds']:+}, threads {g['threads']:+}" for g in bad)))
+            out.append(
+                check(
+                    "resource growth after warm-up",
+                    rows,
+                    f"per process: RSS <= max({RSS_GROWTH_FLOOR // MIB} MiB, "
+                    f"{RSS_GROWTH_FRACTION:.0%}), fds <= +{FD_GROWTH}, threads <= +{THREAD_GROWTH}",
+                    not bad,
+                    "; ".join(
+                        f"{g['role']} pid {g['pid']}: RSS {g['rss_mib']:+} MiB, "
+                        f"fds {g['fds']:+}, threads {g['threads']:+}"
+                        for g in bad
+                    ),
+                )
+            )
             gone = {p["pid"] for p in warm.processes} - {p["pid"] for p in end.processes}
             new = {p["pid"]: p["role"] for p in end.processes if p["pid"] not in {q["pid"] for q in warm.processes}}
-            out.append(check("server processes after warm-up", {"gone": sorted(gone), "new": new},
-                             "the same processes", not gone and not new))
+            out.append(
+                check(
+                    "server processes after warm-up",
+                    {"gone": sorted(gone), "new": new},
+                    "the same processes",
+                    not gone and not new,
+                )
+            )
         else:
-            out.append(check("resource growth after warm-up", None, "samples after warm-up and at the end", False,
-                             "the run ended before both samples were taken"))
+            out.append(
+                check(
+                    "resource growth after warm-up",
+                    None,
+                    "samples after warm-up and at the end",
+                    False,
+                    "the run ended before both samples were taken",
+                )
+            )
         w: dict[str, Any] = r.get("writes") or {}
-        out.append(check("lost writes", w.get("lost_writes"), "0",
-                         w.get("lost_writes") == 0 and bool(r.get("watch_caught_up")),
-                         "" if r.get("watch_caught_up") else "the watcher never saw the final state"))
+        out.append(
+            check(
+                "lost writes",
+                w.get("lost_writes"),
+                "0",
+                w.get("lost_writes") == 0 and bool(r.get("watch_caught_up")),
+                "" if r.get("watch_caught_up") else "the watcher never saw the final state",
+            )
+        )
         churn = r.get("watch", {}).get("churn", {})
         out.append(check("Watch resume gaps", churn.get("declared_gaps"), "0", churn.get("declared_gaps") == 0))
         fpm = r.get("fpm", [])
         gaps = sum(s["unreported_gap_samples"] + s["out_of_order"] for s in fpm)
-        out.append(check("FPM gaps not reported as missed", gaps, "0", bool(fpm) and gaps == 0,
-                         "; ".join(f"{s['name']}: {s['unreported_gap_events']} jumps, {s['out_of_order']} "
-                                   f"out of order" for s in fpm if s["unreported_gap_samples"] or s["out_of_order"])))
+        out.append(
+            check(
+                "FPM gaps not reported as missed",
+                gaps,
+                "0",
+                bool(fpm) and gaps == 0,
+                "; ".join(
+                    f"{s['name']}: {s['unreported_gap_events']} jumps, {s['out_of_order']} out of order"
+                    for s in fpm
+                    if s["unreported_gap_samples"] or s["out_of_order"]
+                ),
+            )
+        )
         other = sum(s["other_worker"] + s["incarnation_changes"] for s in fpm)
         out.append(check("FPM identity and incarnation", other, "0", other == 0))
         internal = self.errors.internal()
         out.append(check("UNKNOWN/INTERNAL statuses (and HTTP 5xx)", internal, "0", internal == 0))
         unexpected = self.errors.total()
-        out.append(check("unexpected errors (any status but CAS ETAG_MISMATCH)", unexpected, "0", unexpected == 0,
-                         "; ".join(f"{k}: {n}" for k, n in self.errors.counts.items())))
+        out.append(
+            check(
+                "unexpected errors (any status but CAS ETAG_MISMATCH)",
+                unexpected,
+                "0",
+                unexpected == 0,
+                "; ".join(f"{k}: {n}" for k, n in self.errors.counts.items()),
+            )
+        )
         ro = r.get("rollouts", {})
         stale = ro.get("unknown_versions", [])
         out.append(check("rollout versions never declared", len(stale), "0", not stale, ", ".join(stale[:5])))
@@ -904,26 +1069,43 @@ class Soak:
         stuck = r.get("stuck_threads", [])
         out.append(check("load loops stopped", stuck, "none left running", not stuck))
         stop = r.get("server_stop", {})
-        out.append(check("server stop", {k: stop.get(k) for k in ("exit_code", "children_left")},
-                         "exit 0, no child left", stop.get("exit_code") == 0 and not stop.get("children_left")))
+        out.append(
+            check(
+                "server stop",
+                {k: stop.get(k) for k in ("exit_code", "children_left")},
+                "exit 0, no child left",
+                stop.get("exit_code") == 0 and not stop.get("children_left"),
+            )
+        )
         return out
 
 
 def rollout_summary(st: RolloutStats, warmup: float) -> dict[str, Any]:
     lat = st.latencies
-    return {"requests": st.requests, "completed": st.completed, "prompt_tokens": st.prompt_tokens,
-            "output_tokens": st.output_tokens, "unstamped": st.unstamped, "multi_version": st.multi_version,
-            "placeholder": st.placeholder,
-            "versions_seen": len(st.versions),
-            "latency_warmup": summarize_ms([s for t, s in lat if t < warmup]),
-            "latency_after_warmup": summarize_ms([s for t, s in lat if t >= warmup])}
+    return {
+        "requests": st.requests,
+        "completed": st.completed,
+        "prompt_tokens": st.prompt_tokens,
+        "output_tokens": st.output_tokens,
+        "unstamped": st.unstamped,
+        "multi_version": st.multi_version,
+        "placeholder": st.placeholder,
+        "versions_seen": len(st.versions),
+        "latency_warmup": summarize_ms([s for t, s in lat if t < warmup]),
+        "latency_after_warmup": summarize_ms([s for t, s in lat if t >= warmup]),
+    }
 
 
 def update_summary(st: UpdateStats) -> dict[str, Any]:
-    return {"ok": dict(st.ok), "failed": dict(st.failed), "declarations": st.declarations,
-            "declarations_failed": st.declarations_failed, "verify": dict(st.verify),
-            "wall": {s: summarize_ms(v) for s, v in st.wall_s.items()},
-            "server": {s: summarize_ms(v) for s, v in st.server_s.items()}}
+    return {
+        "ok": dict(st.ok),
+        "failed": dict(st.failed),
+        "declarations": st.declarations,
+        "declarations_failed": st.declarations_failed,
+        "verify": dict(st.verify),
+        "wall": {s: summarize_ms(v) for s, v in st.wall_s.items()},
+        "server": {s: summarize_ms(v) for s, v in st.server_s.items()},
+    }
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -938,10 +1120,12 @@ def markdown(r: dict[str, Any]) -> str:
     lines = [
         f"# enginectl soak — {m['date']}",
         "",
-        (f"{c['duration_s']:.0f} s of load ({c['warmup_s']:.0f} s warm-up) on one `enginectl serve` (embedded "
-         f"tiny model, {weights_mb:.1f} MB of weights); {m['nproc']} cores, load avg {m['loadavg_start']} -> "
-         f"{m.get('loadavg_end')}; vLLM {m['vllm']}; commit {r['repo']['commit']}{dirty}. "
-         f"Result: **{'PASSED' if r['passed'] else 'FAILED'}**."),
+        (
+            f"{c['duration_s']:.0f} s of load ({c['warmup_s']:.0f} s warm-up) on one `enginectl serve` (embedded "
+            f"tiny model, {weights_mb:.1f} MB of weights); {m['nproc']} cores, load avg {m['loadavg_start']} -> "
+            f"{m.get('loadavg_end')}; vLLM {m['vllm']}; commit {r['repo']['commit']}{dirty}. "
+            f"Result: **{'PASSED' if r['passed'] else 'FAILED'}**."
+        ),
         "",
         "| check | value | bound | ok |",
         "|---|---|---|---|",
@@ -949,9 +1133,11 @@ def markdown(r: dict[str, Any]) -> str:
     for ch in r["checks"]:
         value, detail = ch["value"], f" ({ch['detail']})" if ch["detail"] else ""
         if ch["name"] == "resource growth after warm-up" and isinstance(value, list):
-            value = "; ".join(f"{g['role']}: RSS {g['rss_mib']:+} MiB ({g['rss_mib_per_min']} MiB/min, last half "
-                              f"{g['rss_mib_per_min_last_half']}), fds {g['fds']:+}, threads {g['threads']:+}"
-                              for g in value)
+            value = "; ".join(
+                f"{g['role']}: RSS {g['rss_mib']:+} MiB ({g['rss_mib_per_min']} MiB/min, last half "
+                f"{g['rss_mib_per_min_last_half']}), fds {g['fds']:+}, threads {g['threads']:+}"
+                for g in value
+            )
             detail = ""
         lines.append(f"| {ch['name']} | {value}{detail} | {ch['bound']} | {'yes' if ch['ok'] else '**no**'} |")
 
@@ -975,29 +1161,39 @@ def markdown(r: dict[str, Any]) -> str:
     ro, up, cas, w = r.get("rollouts"), r.get("updates"), r.get("cas"), r.get("writes")
     if ro and up and cas and w:
         lat, churn = ro["latency_after_warmup"], r["watch"]["churn"]
-        updates = ", ".join(f"{s} {up['ok'].get(s, 0)} ok / {up['failed'].get(s, 0)} failed "
-                            f"(p50 {_ms(up['wall'][s].get('p50_ms'))} ms)"
-                            for s in SOURCES if s in up["ok"] or s in up["failed"])
+        updates = ", ".join(
+            f"{s} {up['ok'].get(s, 0)} ok / {up['failed'].get(s, 0)} failed (p50 {_ms(up['wall'][s].get('p50_ms'))} ms)"
+            for s in SOURCES
+            if s in up["ok"] or s in up["failed"]
+        )
         lines += ["", "Activity:", ""]
-        lines.append(f"- rollouts: {ro['completed']} completed of {ro['requests']} ({ro['prompt_tokens']} prompt / "
-                     f"{ro['output_tokens']} output tokens; {ro['multi_version']} generated across an update; "
-                     f"latency after warm-up p50 {_ms(lat.get('p50_ms'))} ms, p99 {_ms(lat.get('p99_ms'))} ms; "
-                     f"{ro['placeholder']} stamped `{VLLM_PLACEHOLDER}`, generated before the first declaration)")
-        lines.append(f"- weight updates: {updates}; declarations {up['declarations']}; "
-                     f"VerifyWeights {up['verify']}")
-        lines.append(f"- CAS writers: {cas['rounds']} rounds, {cas['succeeded']} succeeded, "
-                     f"{cas['etag_mismatch']} ETAG_MISMATCH")
-        lines.append(f"- watched: {w['watched_declared']} declared states, revisions {w['first_revision']}.."
-                     f"{w['last_revision']}; {w['acknowledged_writes']} acknowledged writes {w['by_kind']}; "
-                     f"lost {w['lost_writes']} (missing {w['missing']}, duplicated {w['duplicated_revisions']}, "
-                     f"gaps {w['revision_gaps']}); unacknowledged {w['unacknowledged']}")
-        lines.append(f"- Watch churn: {churn['connects']} connects, {churn['states']} states, "
-                     f"{churn['declared_gaps']} gaps, {churn['resyncs']} re-syncs")
+        lines.append(
+            f"- rollouts: {ro['completed']} completed of {ro['requests']} ({ro['prompt_tokens']} prompt / "
+            f"{ro['output_tokens']} output tokens; {ro['multi_version']} generated across an update; "
+            f"latency after warm-up p50 {_ms(lat.get('p50_ms'))} ms, p99 {_ms(lat.get('p99_ms'))} ms; "
+            f"{ro['placeholder']} stamped `{VLLM_PLACEHOLDER}`, generated before the first declaration)"
+        )
+        lines.append(f"- weight updates: {updates}; declarations {up['declarations']}; VerifyWeights {up['verify']}")
+        lines.append(
+            f"- CAS writers: {cas['rounds']} rounds, {cas['succeeded']} succeeded, {cas['etag_mismatch']} ETAG_MISMATCH"
+        )
+        lines.append(
+            f"- watched: {w['watched_declared']} declared states, revisions {w['first_revision']}.."
+            f"{w['last_revision']}; {w['acknowledged_writes']} acknowledged writes {w['by_kind']}; "
+            f"lost {w['lost_writes']} (missing {w['missing']}, duplicated {w['duplicated_revisions']}, "
+            f"gaps {w['revision_gaps']}); unacknowledged {w['unacknowledged']}"
+        )
+        lines.append(
+            f"- Watch churn: {churn['connects']} connects, {churn['states']} states, "
+            f"{churn['declared_gaps']} gaps, {churn['resyncs']} re-syncs"
+        )
         for s in r.get("fpm", []):
-            lines.append(f"- {s['name']}: {s['connects']} connects ({s['resumes']} resumes), {s['samples']} "
-                         f"samples ({s['heartbeats']} heartbeats), {s.get('stalls', 0)} stalls, missed "
-                         f"{s['missed_reported']} (reported), unreported gaps {s['unreported_gap_samples']}, "
-                         f"evicted {s['evicted']}")
+            lines.append(
+                f"- {s['name']}: {s['connects']} connects ({s['resumes']} resumes), {s['samples']} "
+                f"samples ({s['heartbeats']} heartbeats), {s.get('stalls', 0)} stalls, missed "
+                f"{s['missed_reported']} (reported), unreported gaps {s['unreported_gap_samples']}, "
+                f"evicted {s['evicted']}"
+            )
     if r.get("errors", {}).get("counts"):
         lines += ["", "Errors:", ""]
         lines += [f"- {k}: {n} (e.g. {r['errors']['examples'].get(k, '')!r})" for k, n in r["errors"]["counts"].items()]
@@ -1005,14 +1201,22 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
-    parser.add_argument("--warmup", type=float, default=0.2, help="fraction of the duration before the "
-                        "after-warm-up sample (default 0.2)")
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=0.2,
+        help="fraction of the duration before the after-warm-up sample (default 0.2)",
+    )
     parser.add_argument("--rollouts", type=int, default=3, choices=(2, 3, 4), help="rollout threads (default 3)")
-    parser.add_argument("--sources", default=",".join(SOURCES),
-                        help="update sources to rotate, comma-separated (default: all; fewer to bisect a leak)")
+    parser.add_argument(
+        "--sources",
+        default=",".join(SOURCES),
+        help="update sources to rotate, comma-separated (default: all; fewer to bisect a leak)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
     args = parser.parse_args(argv)
     sources = tuple(s for s in args.sources.split(",") if s)
@@ -1028,8 +1232,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "latest.md").write_text(md)
     print(md)
     failed = [c["name"] for c in results["checks"] if not c["ok"]]
-    log(f"done in {results['elapsed_s']}s; wrote {args.out / 'latest.json'} and latest.md; "
-        + ("PASSED" if not failed else "FAILED: " + ", ".join(failed)))
+    log(
+        f"done in {results['elapsed_s']}s; wrote {args.out / 'latest.json'} and latest.md; "
+        + ("PASSED" if not failed else "FAILED: " + ", ".join(failed))
+    )
     return 0 if not failed else 1
 
 

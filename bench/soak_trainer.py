@@ -22,19 +22,15 @@ import argparse
 import json
 import shutil
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
+from bench.lines import emit, report_errors
 from enginectl.client import EnginectlError, TrainerClient, UpdateResult
 
 B_SEED = 1
 B_NOISE = 0.5  # as tests/weights_fixtures.py: B's greedy tokens differ from A's
 GROUP = "soak"
-
-
-def emit(event: str, **fields: object) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
 
 
 def build_checkpoints(model: Path, root: Path) -> dict[str, Path]:
@@ -47,16 +43,24 @@ def build_checkpoints(model: Path, root: Path) -> dict[str, Path]:
     shutil.copytree(model, b)
     generator = torch.Generator().manual_seed(B_SEED)
     state = load_file(str(a / "model.safetensors"))
-    perturbed = {name: (t + B_NOISE * torch.randn(t.shape, generator=generator, dtype=t.dtype)).contiguous()
-                 for name, t in state.items()}
+    perturbed = {
+        name: (t + B_NOISE * torch.randn(t.shape, generator=generator, dtype=t.dtype)).contiguous()
+        for name, t in state.items()
+    }
     save_file(perturbed, str(b / "model.safetensors"), metadata={"format": "pt"})
     return {"A": a, "B": b}
 
 
 def ok(result: UpdateResult) -> dict[str, Any]:
     v = result.weight_version
-    return {"ok": True, "revision": v.revision, "version": v.version, "etag": v.etag,
-            "server_s": round(result.duration, 4), "pause_s": round(result.pause_duration, 4)}
+    return {
+        "ok": True,
+        "revision": v.revision,
+        "version": v.version,
+        "etag": v.etag,
+        "server_s": round(result.duration, 4),
+        "pause_s": round(result.pause_duration, 4),
+    }
 
 
 def failed(stage: str, err: EnginectlError) -> dict[str, Any]:
@@ -87,8 +91,12 @@ def serve(args: argparse.Namespace) -> None:
 
     paths = build_checkpoints(args.model, args.root)
     states = {which: load_file(str(path / "model.safetensors")) for which, path in paths.items()}
-    emit("ready", checkpoints={k: str(v) for k, v in paths.items()}, tensors=len(states["A"]),
-         bytes=sum(t.numel() * t.element_size() for t in states["A"].values()))
+    emit(
+        "ready",
+        checkpoints={k: str(v) for k, v in paths.items()},
+        tensors=len(states["A"]),
+        bytes=sum(t.numel() * t.element_size() for t in states["A"].values()),
+    )
     with TrainerClient(args.target) as client:
         for line in sys.stdin:
             if not line.strip():
@@ -114,12 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, required=True, help="an allowed weights root (empty)")
     parser.add_argument("--timeout", type=float, default=120.0, help="bound of each update, seconds")
     args = parser.parse_args(argv)
-    try:
-        serve(args)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        emit("error", message=repr(exc), traceback=traceback.format_exc()[-2000:])
-        return 1
-    return 0
+    return report_errors(lambda: serve(args))
 
 
 if __name__ == "__main__":

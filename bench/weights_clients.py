@@ -29,14 +29,12 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
+from bench.lines import emit
+
 CACHE_DIR = Path(__file__).resolve().parent / ".cache"
 HIDDEN, INTERMEDIATE, HEADS = 1024, 2816, 16
 SINK_METHOD = "/bench.Sink/Stream"
 CHUNK_BYTES = 2 * 1024 * 1024
-
-
-def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
 
 
 # -- the synthetic model ---------------------------------------------------------------------
@@ -56,14 +54,23 @@ def build(layers: int) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(tiny, tmp)
     config = json.loads((tmp / "config.json").read_text())
-    config.update(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
-                  num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HIDDEN // HEADS,
-                  torch_dtype="float32")
+    config.update(
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        head_dim=HIDDEN // HEADS,
+        torch_dtype="float32",
+    )
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     vocab = int(config["vocab_size"])
     g = torch.Generator().manual_seed(0)
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, HIDDEN),
-                                          "model.norm.weight": (HIDDEN,), "lm_head.weight": (vocab, HIDDEN)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, HIDDEN),
+        "model.norm.weight": (HIDDEN,),
+        "lm_head.weight": (vocab, HIDDEN),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -92,8 +99,14 @@ def sink() -> None:
             n += len(message.chunk.data)
         return n.to_bytes(8, "little")
 
-    handler = grpc.method_handlers_generic_handler("bench.Sink", {"Stream": grpc.stream_unary_rpc_method_handler(
-        stream, request_deserializer=pb2.UpdateWeightsFromTensorsRequest.FromString)})
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Sink",
+        {
+            "Stream": grpc.stream_unary_rpc_method_handler(
+                stream, request_deserializer=pb2.UpdateWeightsFromTensorsRequest.FromString
+            )
+        },
+    )
     server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 64 << 20)])
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -111,7 +124,7 @@ def gloo_recv(port: int, file: str, reps: int) -> None:
     from safetensors import safe_open
 
     with safe_open(file, framework="pt") as f:
-        buffers = [torch.empty_like(f.get_tensor(k)) for k in f.keys()]  # noqa: SIM118 - safe_open is not a dict
+        buffers = [torch.empty_like(f.get_tensor(k)) for k in f.keys()]  # safe_open is not a dict
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=120))
     pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 1, 2, datetime.timedelta(seconds=120))
     ack = torch.zeros(1)
@@ -125,10 +138,23 @@ def raw_gloo(file: str, tensors: list[Any], reps: int) -> list[float]:
     import torch
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=120),
-                          wait_for_workers=False)
-    child = subprocess.Popen([sys.executable, "-m", "bench.weights_clients", "gloo-recv", "--port",
-                              str(store.port), "--file", file, "--reps", str(reps)])
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False
+    )
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.weights_clients",
+            "gloo-recv",
+            "--port",
+            str(store.port),
+            "--file",
+            file,
+            "--reps",
+            str(reps),
+        ]
+    )
     try:
         pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, datetime.timedelta(seconds=120))
         ack = torch.zeros(1)
@@ -146,8 +172,9 @@ def raw_gloo(file: str, tensors: list[Any], reps: int) -> list[float]:
 
 def http_post(port: int, path: str, body: dict[str, Any] | None = None) -> float:
     data = json.dumps(body).encode() if body is not None else b""
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, method="POST", headers={"Content-Type": "application/json"}
+    )
     t0 = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as response:
         response.read()
@@ -200,21 +227,31 @@ def run(target: str, http_port: int, model: Path, reps: int, pause_reps: int) ->
         t0 = time.perf_counter()
         done.append(client.update_weights_from_disk(str(model), f"disk-{i}"))
         ours.append(time.perf_counter() - t0)
-        theirs.append(http_post(http_port, "/collective_rpc",
-                                {"method": "reload_weights", "kwargs": {"weights_path": str(model)}}))
+        theirs.append(
+            http_post(
+                http_port, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model)}}
+            )
+        )
     results["disk"] = {"enginectl": summary(ours, payload, done), "reload_weights": summary(theirs, payload)}
 
     # Tensor stream: enginectl end to end (incl. load) vs the same messages into a gRPC sink.
     named = named_tensors(state)
-    header = pb2.UpdateWeightsFromTensorsRequest(header=pb2.TensorStreamHeader(
-        tensors=[tensor_spec(n, t) for n, t in named]))
-    sink_proc = subprocess.Popen([sys.executable, "-m", "bench.weights_clients", "sink"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
+    header = pb2.UpdateWeightsFromTensorsRequest(
+        header=pb2.TensorStreamHeader(tensors=[tensor_spec(n, t) for n, t in named])
+    )
+    sink_proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.weights_clients", "sink"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert sink_proc.stdout is not None
         port = json.loads(sink_proc.stdout.readline())["port"]
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        send = channel.stream_unary(SINK_METHOD, request_serializer=pb2.UpdateWeightsFromTensorsRequest.SerializeToString)
+        send = channel.stream_unary(
+            SINK_METHOD, request_serializer=pb2.UpdateWeightsFromTensorsRequest.SerializeToString
+        )
         ours, theirs, done = [], [], []
         for i in range(reps):
             t0 = time.perf_counter()

@@ -59,11 +59,7 @@ def generate(out: Path) -> None:
 
 
 def _generated(tree: Path) -> set[str]:
-    return {
-        str(p.relative_to(tree))
-        for p in (tree / "enginectl").rglob("*")
-        if p.name.endswith(GENERATED_SUFFIXES)
-    }
+    return {str(p.relative_to(tree)) for p in (tree / "enginectl").rglob("*") if p.name.endswith(GENERATED_SUFFIXES)}
 
 
 def main() -> int:

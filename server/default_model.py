@@ -320,9 +320,7 @@ def _write_model_files(out: Path, vocab_size: int) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_RECIPE["seed"])
         model = LlamaForCausalLM(config).float().eval()
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids[bos], eos_token_id=ids[eos], pad_token_id=ids[pad]
-    )
+    model.generation_config = GenerationConfig(bos_token_id=ids[bos], eos_token_id=ids[eos], pad_token_id=ids[pad])
     # Silence the one-shard "Writing model shards" bar in server logs; restore after.
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()

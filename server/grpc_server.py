@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.longrunning import operations_pb2, operations_pb2_grpc
 from google.protobuf import descriptor as _descriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from google.longrunning import operations_pb2, operations_pb2_grpc
 
 from enginectl.fpm.v1 import (
     forward_pass_metrics_service_pb2,
@@ -21,17 +21,17 @@ from enginectl.fpm.v1 import (
     fpm_identity_service_pb2,
     fpm_identity_service_pb2_grpc,
 )
-from enginectl.server.errors import ControlPlaneError, Reason
-from enginectl.server.fpm_identity_service import FpmIdentityServicer
-from enginectl.server.fpm_relay import FpmRelay
-from enginectl.server.fpm_stream import ForwardPassMetricsServicer
-from enginectl.server.interceptors import BearerToken, RpcInterceptor
 from enginectl.server import limits
-from enginectl.server.ledger import WeightVersionLedger
+from enginectl.server.errors import ControlPlaneError, Reason
+from enginectl.server.fpm.identity_service import FpmIdentityServicer
+from enginectl.server.fpm.relay import FpmRelay
+from enginectl.server.fpm.stream import ForwardPassMetricsServicer
+from enginectl.server.interceptors import BearerToken, RpcInterceptor
 from enginectl.server.limits import MAX_MESSAGE_BYTES
-from enginectl.server.operations import OperationsServicer, OperationStore
-from enginectl.server.weight_update_service import WeightUpdateServicer
-from enginectl.server.weight_version_service import WeightVersionServicer
+from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.operations import OperationsServicer, OperationStore
+from enginectl.server.weights.update_service import WeightUpdateServicer
+from enginectl.server.weights.version_service import WeightVersionServicer
 from enginectl.weights.v1 import (
     weight_update_service_pb2,
     weight_update_service_pb2_grpc,
@@ -41,9 +41,9 @@ from enginectl.weights.v1 import (
 
 if TYPE_CHECKING:
     from enginectl.server.engine import EngineInfo
-    from enginectl.server.fpm_identity import IdentitySync
+    from enginectl.server.fpm.identity import IdentitySync
     from enginectl.server.metrics import ControlPlaneMetrics
-    from enginectl.server.weight_updates import WeightUpdates
+    from enginectl.server.weights.updates import WeightUpdates
 
 
 @dataclass(frozen=True)
@@ -92,12 +92,8 @@ def _with_unimplemented(
 
         return unary
 
-    implemented = [
-        m.name for m in service.methods if getattr(impl, m.name) is not getattr(generated, m.name)
-    ]
-    missing = {
-        m.name: make(m.name, m.server_streaming) for m in service.methods if m.name not in implemented
-    }
+    implemented = [m.name for m in service.methods if getattr(impl, m.name) is not getattr(generated, m.name)]
+    missing = {m.name: make(m.name, m.server_streaming) for m in service.methods if m.name not in implemented}
     return type(impl.__name__, (impl,), missing), [f"{service.full_name}/{m}" for m in implemented]
 
 
@@ -146,14 +142,34 @@ class ControlPlaneServer:
 
         # (pb2, pb2_grpc, service, servicer class or None, what its missing RPCs wait for)
         services: list[tuple[Any, Any, str, Any, str]] = [
-            (weight_version_service_pb2, weight_version_service_pb2_grpc, "WeightVersionService",
-             WeightVersionServicer, "VerifyWeights arrives with weight updates"),
-            (weight_update_service_pb2, weight_update_service_pb2_grpc, "WeightUpdateService",
-             WeightUpdateServicer, "weight updates arrive in a later release"),
-            (fpm_identity_service_pb2, fpm_identity_service_pb2_grpc, "FpmIdentityService",
-             FpmIdentityServicer if identity is not None else None, "this server has no engine"),
-            (forward_pass_metrics_service_pb2, forward_pass_metrics_service_pb2_grpc,
-             "ForwardPassMetricsService", ForwardPassMetricsServicer, ""),
+            (
+                weight_version_service_pb2,
+                weight_version_service_pb2_grpc,
+                "WeightVersionService",
+                WeightVersionServicer,
+                "not implemented by this server",
+            ),
+            (
+                weight_update_service_pb2,
+                weight_update_service_pb2_grpc,
+                "WeightUpdateService",
+                WeightUpdateServicer,
+                "not implemented by this server",
+            ),
+            (
+                fpm_identity_service_pb2,
+                fpm_identity_service_pb2_grpc,
+                "FpmIdentityService",
+                FpmIdentityServicer if identity is not None else None,
+                "this server has no engine",
+            ),
+            (
+                forward_pass_metrics_service_pb2,
+                forward_pass_metrics_service_pb2_grpc,
+                "ForwardPassMetricsService",
+                ForwardPassMetricsServicer,
+                "",
+            ),
             (operations_pb2, operations_pb2_grpc, "Operations", OperationsServicer, ""),
         ]
         self.service_names: list[str] = []
@@ -218,11 +234,16 @@ class ControlPlaneServer:
     def _limits() -> weight_update_service_pb2.ServerLimits:
         """ServerLimits, from the bounds table (server/limits.py)."""
         answer = weight_update_service_pb2.ServerLimits(
-            max_version_bytes=limits.MAX_VERSION_BYTES, max_request_bytes=limits.MAX_MESSAGE_BYTES,
-            max_path_bytes=limits.MAX_PATH_BYTES, max_group_name_bytes=limits.MAX_GROUP_NAME_BYTES,
-            max_tensor_name_bytes=limits.MAX_TENSOR_NAME_BYTES, max_tensors_per_update=limits.MAX_TENSORS,
-            max_shape_rank=limits.MAX_SHAPE_RANK, max_tensor_elements=limits.MAX_TENSOR_ELEMENTS,
-            max_chunk_bytes=limits.MAX_CHUNK_BYTES, max_update_groups=limits.MAX_GROUPS,
+            max_version_bytes=limits.MAX_VERSION_BYTES,
+            max_request_bytes=limits.MAX_MESSAGE_BYTES,
+            max_path_bytes=limits.MAX_PATH_BYTES,
+            max_group_name_bytes=limits.MAX_GROUP_NAME_BYTES,
+            max_tensor_name_bytes=limits.MAX_TENSOR_NAME_BYTES,
+            max_tensors_per_update=limits.MAX_TENSORS,
+            max_shape_rank=limits.MAX_SHAPE_RANK,
+            max_tensor_elements=limits.MAX_TENSOR_ELEMENTS,
+            max_chunk_bytes=limits.MAX_CHUNK_BYTES,
+            max_update_groups=limits.MAX_GROUPS,
             max_retained_operations=limits.MAX_RETAINED,
         )
         answer.default_timeout.FromSeconds(int(limits.DEFAULT_TIMEOUT_S))
@@ -244,11 +265,7 @@ class ControlPlaneServer:
         died it stays NOT_SERVING."""
         if serving and self._engine_dead:
             return
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 

@@ -82,7 +82,7 @@ def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], A
     def parse(data: bytes) -> Any:
         try:
             return deserializer(data)
-        except Exception as exc:  # DecodeError: bad wire format, bad UTF-8 in a string field
+        except Exception as exc:  # noqa: BLE001 - DecodeError, bad UTF-8, ...: answered MALFORMED_REQUEST
             return _Malformed(exc)
 
     return parse
@@ -123,12 +123,7 @@ def _rebuild(
 
 
 def _behavior(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
-    return (
-        handler.unary_unary
-        or handler.unary_stream
-        or handler.stream_unary
-        or handler.stream_stream
-    )
+    return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
 
 
 def _status_name(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
@@ -211,9 +206,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         log_success = self._log_reads or not read_only
         on_done = self._on_done
         token = None if read_only else self._token
-        refused: Callable[[], ControlPlaneError | None] = (
-            _never if method.startswith(OPEN_SERVICES) else self._refused
-        )
+        refused: Callable[[], ControlPlaneError | None] = _never if method.startswith(OPEN_SERVICES) else self._refused
         behavior = inner
         if read_only and self._token is not None:
             identify = self._token  # open, but the servicer may show the token's holder more
@@ -257,7 +250,10 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             if ok and not log_success:
                 return True
             (log.info if ok else log.warning)(
-                "rpc", rpc=method, request_id=_request_id(context), code=name,
+                "rpc",
+                rpc=method,
+                request_id=_request_id(context),
+                code=name,
                 duration_ms=round((time.perf_counter() - start) * 1e3, 3),
             )
             return True

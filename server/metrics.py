@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily
 
-from enginectl.server.fpm_relay import FpmRelay
-from enginectl.server.ledger import WeightVersionLedger
+from enginectl.server.fpm.relay import FpmRelay
+from enginectl.server.weights.ledger import WeightVersionLedger
 
 
 class ControlPlaneMetrics:

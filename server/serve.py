@@ -36,11 +36,12 @@ import structlog
 if TYPE_CHECKING:
     import uvicorn
 
+    from enginectl.contract.engine import EngineConfig
     from enginectl.server.engine import EngineAdapter
-    from enginectl.server.fpm_identity_serve import IdentityGate
-    from enginectl.server.fpm_relay_zmq import FpmRelayHost
+    from enginectl.server.fpm.identity_gate import IdentityGate
+    from enginectl.server.fpm.relay_zmq import FpmRelayHost
     from enginectl.server.grpc_server import ControlPlaneServer, TlsConfig
-    from enginectl.server.ledger import Fingerprint
+    from enginectl.server.weights.ledger import Fingerprint
 
 log = structlog.get_logger("enginectl.serve")
 
@@ -48,11 +49,16 @@ DEFAULT_GRPC_PORT = 50051
 TOKEN_ENV = "ENGINECTL_TOKEN"
 # vLLM flags that suit the embedded tiny model on any machine; explicit flags still win.
 DEFAULT_MODEL_FLAGS = (
-    "--dtype", "float32",
-    "--max-model-len", "256",
-    "--kv-cache-memory-bytes", str(64 * 1024 * 1024),
-    "--max-num-seqs", "8",
-    "--seed", "0",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--kv-cache-memory-bytes",
+    str(64 * 1024 * 1024),
+    "--max-num-seqs",
+    "8",
+    "--seed",
+    "0",
     "--enforce-eager",
 )
 STOP_GRACE_S = 5.0
@@ -74,11 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser(
-        prog="enginectl serve",
-        description="Serve a vLLM engine with its OpenAI-compatible HTTP API and the enginectl "
-        "gRPC control plane, in one process. Every vLLM engine flag is accepted.",
-    ))
+    parser = make_arg_parser(
+        FlexibleArgumentParser(
+            prog="enginectl serve",
+            description="Serve a vLLM engine with its OpenAI-compatible HTTP API and the enginectl "
+            "gRPC control plane, in one process. Every vLLM engine flag is accepted.",
+        )
+    )
     # vLLM's --grpc-port belongs to its Rust frontend, which enginectl does not start; the
     # flag is ours here, and is cleared before vLLM validates its arguments.
     for action in parser._actions:
@@ -87,29 +95,46 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = f"Port of the enginectl gRPC control plane (default {DEFAULT_GRPC_PORT}; 0 picks a free one)."
     parser.set_defaults(host="127.0.0.1", model=None)
     group = parser.add_argument_group("enginectl")
-    group.add_argument("--http-port", dest="port", type=int, default=argparse.SUPPRESS,
-                       help="Port of vLLM's HTTP API (alias of --port; default 8000; 0 picks a free one).")
-    group.add_argument("--grpc-host", default="127.0.0.1",
-                       help="Address the gRPC control plane binds (default 127.0.0.1).")
-    group.add_argument("--token-file", type=Path, default=None,
-                       help=f"File holding the bearer token required by mutating RPCs (or set ${TOKEN_ENV}).")
+    group.add_argument(
+        "--http-port",
+        dest="port",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="Port of vLLM's HTTP API (alias of --port; default 8000; 0 picks a free one).",
+    )
+    group.add_argument(
+        "--grpc-host", default="127.0.0.1", help="Address the gRPC control plane binds (default 127.0.0.1)."
+    )
+    group.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help=f"File holding the bearer token required by mutating RPCs (or set ${TOKEN_ENV}).",
+    )
     group.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve gRPC over TLS.")
     group.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert.")
-    group.add_argument("--tls-client-ca", type=Path, default=None,
-                       help="PEM CA bundle: require client certificates signed by it (mTLS).")
-    group.add_argument("--insecure", action="store_true",
-                       help="Allow a non-loopback gRPC address with neither token nor TLS.")
+    group.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        default=None,
+        help="PEM CA bundle: require client certificates signed by it (mTLS).",
+    )
+    group.add_argument(
+        "--insecure", action="store_true", help="Allow a non-loopback gRPC address with neither token nor TLS."
+    )
     group.add_argument("--log-json", action="store_true", help="Log enginectl events as JSON lines.")
-    group.add_argument("--log-rpc-reads", action="store_true",
-                       help="Also log successful read RPCs (Get*, Watch*, health); mutations and "
-                       "failures are always logged.")
-    from enginectl.server.fpm_relay_zmq import add_fpm_relay_args
+    group.add_argument(
+        "--log-rpc-reads",
+        action="store_true",
+        help="Also log successful read RPCs (Get*, Watch*, health); mutations and failures are always logged.",
+    )
+    from enginectl.server.fpm.relay_zmq import add_fpm_relay_args
 
     add_fpm_relay_args(group)
-    from enginectl.server.fpm_identity_serve import add_identity_args
+    from enginectl.server.fpm.identity_gate import add_identity_args
 
     add_identity_args(group)
-    from enginectl.server.weight_update_service import add_weight_update_args
+    from enginectl.server.weights.update_service import add_weight_update_args
 
     add_weight_update_args(group)
     return parser
@@ -193,19 +218,17 @@ def _check_port_free(host: str, port: int) -> None:
             raise SystemExit(f"enginectl serve: gRPC port {host}:{port} is not available: {exc}") from None
 
 
-ENGINE_CONFIG_ENV = "ENGINECTL_ENGINE_CONFIG"
-
-
-def hand_over_engine_config(args: argparse.Namespace) -> None:
-    """Move enginectl's section of `additional_config` (relay endpoint, incarnation, worker
-    id: values that change with every start or every worker) into the environment the
-    EngineCore processes inherit. vLLM hashes `additional_config` into its compile-cache key,
+def hand_over_engine_config(args: argparse.Namespace, config: EngineConfig) -> None:
+    """Hand every EngineCore `config` (relay endpoint, incarnation, worker id: values that
+    change with every start or every worker) through the environment they inherit, and take
+    any `additional_config[CONFIG_KEY]` of the user's out of `additional_config` (serve's
+    flags decide those values). vLLM hashes `additional_config` into its compile-cache key,
     so leaving them there would make every start of a compiled model miss that cache."""
-    import json
+    from enginectl.contract.engine import CONFIG_KEY
 
-    section = (getattr(args, "additional_config", None) or {}).pop("enginectl", None)
-    if section:
-        os.environ[ENGINE_CONFIG_ENV] = json.dumps(section)
+    if isinstance(getattr(args, "additional_config", None), dict):
+        args.additional_config.pop(CONFIG_KEY, None)
+    config.to_env()
 
 
 class StartupError(Exception):
@@ -213,18 +236,23 @@ class StartupError(Exception):
 
 
 async def _start_plane(
-    engine: EngineAdapter, token: str | None, tls: TlsConfig | None, host: str, port: int, log_reads: bool,
-    fpm: FpmRelayHost | None = None, identity: IdentityGate | None = None,
+    engine: EngineAdapter,
+    token: str | None,
+    tls: TlsConfig | None,
+    host: str,
+    port: int,
+    log_reads: bool,
+    fpm: FpmRelayHost | None = None,
+    identity: IdentityGate | None = None,
     weight_roots: list[Path] | None = None,
 ) -> tuple[ControlPlaneServer, int]:
     """Build and start the gRPC server; runs on the control loop, which then owns it."""
     from enginectl.server.grpc_server import ControlPlaneServer
-    from enginectl.server.ledger import WeightVersionLedger
     from enginectl.server.metrics import ControlPlaneMetrics
-
-    from enginectl.server.disk import checkpoint_tensors
-    from enginectl.server.operations import OperationStore
-    from enginectl.server.weight_updates import WeightUpdates
+    from enginectl.server.weights.disk import checkpoint_tensors
+    from enginectl.server.weights.ledger import WeightVersionLedger
+    from enginectl.server.weights.operations import OperationStore
+    from enginectl.server.weights.updates import WeightUpdates
 
     updates: WeightUpdates | None = None
 
@@ -232,19 +260,29 @@ async def _start_plane(
         assert updates is not None
         return await updates.declaration_fingerprint()
 
-    ledger = WeightVersionLedger(publish=engine.set_weight_version, fingerprint=fingerprint,
-                                 incarnation=identity.incarnation if identity else None)
+    ledger = WeightVersionLedger(
+        publish=engine.set_weight_version,
+        fingerprint=fingerprint,
+        incarnation=identity.incarnation if identity else None,
+    )
     operations = OperationStore()
     expected = await asyncio.to_thread(checkpoint_tensors, engine.info.model)
     metrics = ControlPlaneMetrics(ledger)
-    updates = WeightUpdates(engine, ledger, operations, allowed_roots=weight_roots or [], expected=expected,
-                            on_finished=metrics.update_done)
+    updates = WeightUpdates(
+        engine, ledger, operations, allowed_roots=weight_roots or [], expected=expected, on_finished=metrics.update_done
+    )
     await updates.prepare()  # milliseconds
     plane = ControlPlaneServer(
-        ledger, engine_info=engine.info, token=token, tls=tls, log_reads=log_reads,
-        metrics=metrics, fpm_relay=fpm.start(ledger) if fpm else None,
+        ledger,
+        engine_info=engine.info,
+        token=token,
+        tls=tls,
+        log_reads=log_reads,
+        metrics=metrics,
+        fpm_relay=fpm.start(ledger) if fpm else None,
         identity=identity.sync(engine) if identity else None,
-        updates=updates, operations=operations,
+        updates=updates,
+        operations=operations,
     )
     await plane.set_serving(False)  # SERVING only once HTTP is up (and, if awaited, the identity)
     try:
@@ -293,18 +331,18 @@ def _start_exit_backstop(exit_code: int) -> None:
 
 async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT (or the engine dies); returns the exit code."""
+    import vllm.envs as envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
-    import vllm.envs as envs
 
     from enginectl.server.control_loop import ControlLoop
     from enginectl.server.engine import EngineAdapter, adopt_orphans
-    from enginectl.server.fpm_identity_serve import configure_identity
-    from enginectl.server.fpm_relay_zmq import FpmRelayHost
-    from enginectl.server.weight_update_service import allowed_roots, configure_engine_args
+    from enginectl.server.fpm.identity_gate import configure_identity
+    from enginectl.server.fpm.relay_zmq import FpmRelayHost
+    from enginectl.server.weights.update_service import allowed_roots, configure_engine_args
 
     grpc_port, args.grpc_port = args.grpc_port, None  # see build_parser
     token, tls = load_token(args), load_tls(args)
@@ -325,7 +363,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     identity = configure_identity(args, loop, stop)  # before the engine, like the relay
     fpm = FpmRelayHost.bind(args)  # before the engine: every EngineCore is told its endpoint
-    hand_over_engine_config(args)
+    hand_over_engine_config(args, identity.engine_config(fpm.endpoint))
     configure_engine_args(args)  # every worker gets enginectl's weight extension
     if not adopt_orphans():
         log.warning("not_a_subreaper", effect="a worker orphaned by a dead EngineCore may outlive this process")
@@ -336,8 +374,13 @@ async def serve(args: argparse.Namespace) -> int:
     def engine_died(cause: str) -> None:
         """On this loop, once, the moment vLLM's engine dies: flip the control plane now
         (it lives on the control loop), then shut down as on SIGTERM."""
-        log.error("engine_dead", cause=cause, action="shutting down", exit_code=ENGINE_DEAD_EXIT_CODE,
-                  exit_within_s=ENGINE_DEAD_EXIT_BOUND_S)
+        log.error(
+            "engine_dead",
+            cause=cause,
+            action="shutting down",
+            exit_code=ENGINE_DEAD_EXIT_CODE,
+            exit_within_s=ENGINE_DEAD_EXIT_BOUND_S,
+        )
         _start_exit_backstop(ENGINE_DEAD_EXIT_CODE)
         if plane is not None:  # else it is flipped as soon as it exists, below
             asyncio.run_coroutine_threadsafe(plane.engine_dead(cause), control.loop)
@@ -347,46 +390,76 @@ async def serve(args: argparse.Namespace) -> int:
     exit_code = 0
     try:
         try:
-            plane, bound = await control.run(
-                _start_plane(engine, token, tls, args.grpc_host, grpc_port, args.log_rpc_reads, fpm, identity,
-                             allowed_roots(args, engine.info.model))
+            started, bound = await control.run(
+                _start_plane(
+                    engine,
+                    token,
+                    tls,
+                    args.grpc_host,
+                    grpc_port,
+                    args.log_rpc_reads,
+                    fpm,
+                    identity,
+                    allowed_roots(args, engine.info.model),
+                )
             )
         except StartupError as exc:
             raise SystemExit(f"enginectl serve: {exc}") from None
+        plane = started  # engine_died (another thread's callback) reads `plane`
         if engine.death_cause is not None:  # it died while the plane was being built
-            await control.run(plane.engine_dead(engine.death_cause))
+            await control.run(started.engine_dead(engine.death_cause))
 
         client = engine.client
         log_config = get_uvicorn_log_config(args)
         app = build_app(args, await client.get_supported_tasks(), client.model_config)
         await init_app_state(client, app.state, args, await client.get_supported_tasks())
         uvicorn_kwargs: dict[str, Any] = {"log_config": log_config} if log_config is not None else {}
-        http = asyncio.create_task(serve_http(
-            app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh,
-            host=args.host, port=http_port, log_level=args.uvicorn_log_level,
-            access_log=not args.disable_uvicorn_access_log,
-            timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
-            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
-            ssl_ciphers=args.ssl_ciphers,
-            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
-            h11_max_header_count=args.h11_max_header_count,
-            **uvicorn_kwargs,
-        ))
+        http = asyncio.create_task(
+            serve_http(
+                app,
+                sock=sock,
+                enable_ssl_refresh=args.enable_ssl_refresh,
+                host=args.host,
+                port=http_port,
+                log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+                ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile,
+                ssl_ca_certs=args.ssl_ca_certs,
+                ssl_cert_reqs=args.ssl_cert_reqs,
+                ssl_ciphers=args.ssl_ciphers,
+                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+                h11_max_header_count=args.h11_max_header_count,
+                **uvicorn_kwargs,
+            )
+        )
         # serve_http installs its own SIGTERM/SIGINT handlers (engine first, then HTTP) before
         # its first await; take them back so the control plane goes NOT_SERVING first.
         await asyncio.sleep(0)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await _http_started(app.state.server, http, stop)
-        await identity.wait_until_identified(http, grpc_host=args.grpc_host, grpc_port=bound,
-                                             http_host=args.host, http_port=http_port, pid=os.getpid())
+        await identity.wait_until_identified(
+            http, grpc_host=args.grpc_host, grpc_port=bound, http_host=args.host, http_port=http_port, pid=os.getpid()
+        )
         if not stop.is_set() and not http.done():
-            await control.run(plane.set_serving(True))
-            log.info("serving", grpc_host=args.grpc_host, grpc_port=bound, http_host=args.host,
-                     http_port=http_port, model=engine.info.model, dp_size=engine.info.data_parallel_size,
-                     incarnation=plane.ledger.incarnation, auth=token is not None, tls=tls is not None,
-                     pid=os.getpid(), worker_id=args.worker_id, await_worker_id=args.await_worker_id)
+            await control.run(started.set_serving(True))
+            log.info(
+                "serving",
+                grpc_host=args.grpc_host,
+                grpc_port=bound,
+                http_host=args.host,
+                http_port=http_port,
+                model=engine.info.model,
+                dp_size=engine.info.data_parallel_size,
+                incarnation=started.ledger.incarnation,
+                auth=token is not None,
+                tls=tls is not None,
+                pid=os.getpid(),
+                worker_id=args.worker_id,
+                await_worker_id=args.await_worker_id,
+            )
 
         stopping = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({stopping, http}, return_when=asyncio.FIRST_COMPLETED)
@@ -397,7 +470,7 @@ async def serve(args: argparse.Namespace) -> int:
             exit_code = 1
         stopping.cancel()
         log.info("shutting down")
-        await control.run(plane.stop(STOP_GRACE_S))
+        await control.run(started.stop(STOP_GRACE_S))
         if not http.done():
             app.state.server.should_exit = True
             try:

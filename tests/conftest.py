@@ -6,24 +6,17 @@ incarnation or a particular flag start their own with `ServeProcess`.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
-from serving import ServeProcess
+from serving import ServeProcess, base_env
 
 
 @pytest.fixture(scope="session")
 def serve_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Environment for servers: offline, no usage stats, a per-session model cache."""
-    env = dict(os.environ)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        ENGINECTL_CACHE_DIR=str(tmp_path_factory.mktemp("enginectl-cache")),
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("ENGINECTL_TOKEN", None)
+    """Environment for servers: offline, no usage stats, no token, a per-session model cache."""
+    env = base_env()
+    env["ENGINECTL_CACHE_DIR"] = str(tmp_path_factory.mktemp("enginectl-cache"))
     return env
 
 

@@ -48,17 +48,20 @@ def stream(target: str, file: str, request_id: str, version: str, send_bytes: in
     dtypes = {"float32": pb2.TENSOR_DTYPE_FLOAT32, "float16": pb2.TENSOR_DTYPE_FLOAT16}
     tensors = load_file(file)
     header = pb2.TensorStreamHeader(
-        tensors=[pb2.TensorSpec(name=name, dtype=dtypes[str(t.dtype)], shape=list(t.shape))
-                 for name, t in tensors.items()],
-        weight_version=version, request_id=request_id,
+        tensors=[
+            pb2.TensorSpec(name=name, dtype=dtypes[str(t.dtype)], shape=list(t.shape)) for name, t in tensors.items()
+        ],
+        weight_version=version,
+        request_id=request_id,
     )
     data = b"".join(t.tobytes() for t in tensors.values())[:send_bytes]
 
     def messages() -> Iterator[pb2.UpdateWeightsFromTensorsRequest]:
         yield pb2.UpdateWeightsFromTensorsRequest(header=header)
         for offset in range(0, len(data), CHUNK_BYTES):
-            yield pb2.UpdateWeightsFromTensorsRequest(chunk=pb2.TensorStreamChunk(
-                offset=offset, data=data[offset:offset + CHUNK_BYTES]))
+            yield pb2.UpdateWeightsFromTensorsRequest(
+                chunk=pb2.TensorStreamChunk(offset=offset, data=data[offset : offset + CHUNK_BYTES])
+            )
         emit({"sent": len(data)})
         sys.stdin.readline()  # released (or EOF): half-close before the last byte
 
@@ -69,8 +72,9 @@ def stream(target: str, file: str, request_id: str, version: str, send_bytes: in
             emit({"code": "OK", "reason": "", "metadata": {}, "message": "", "operation": op.name})
         except grpc.RpcError as err:
             error = from_rpc_error(err)
-            emit({"code": error.code.name, "reason": error.reason, "metadata": error.metadata,
-                  "message": error.message})
+            emit(
+                {"code": error.code.name, "reason": error.reason, "metadata": error.metadata, "message": error.message}
+            )
     os._exit(0)  # grpc's request thread may still be blocked reading stdin
 
 
@@ -99,8 +103,7 @@ def fpm(target: str) -> None:
     for response in stub.StreamForwardPassMetrics(svc_pb2.StreamForwardPassMetricsRequest(include_heartbeats=True)):
         if response.HasField("progress"):
             p = response.progress
-            emit({"progress": {"sequence": p.sequence, "head_sequence": p.head_sequence,
-                               "incarnation": p.incarnation}})
+            emit({"progress": {"sequence": p.sequence, "head_sequence": p.head_sequence, "incarnation": p.incarnation}})
         for sample in response.batch.samples:
             emit({"sequence": sample.sequence, "kind": sample.kind})
 

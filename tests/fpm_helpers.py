@@ -15,12 +15,11 @@ from collections.abc import Sequence
 
 import grpc
 import zmq
+from serving import ServeProcess
 
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
-
-from serving import ServeProcess
 
 STEP, HEARTBEAT = fpm_pb2.SAMPLE_KIND_STEP, fpm_pb2.SAMPLE_KIND_HEARTBEAT
 
@@ -33,8 +32,13 @@ def frames(worker_id: str, count: int, *, ranks: int = 1, kind: int = STEP, star
     """`count` samples, counter_id start.., spread round-robin over `ranks` ranks."""
     return [
         fpm_pb2.ForwardPassMetrics(
-            schema_version=1, worker_id=worker_id, dp_rank=i % ranks, counter_id=start + i,
-            incarnation="test-publisher", kind=kind, idle=kind == HEARTBEAT,
+            schema_version=1,
+            worker_id=worker_id,
+            dp_rank=i % ranks,
+            counter_id=start + i,
+            incarnation="test-publisher",
+            kind=kind,
+            idle=kind == HEARTBEAT,
         ).SerializeToString()
         for i in range(count)
     ]
@@ -90,7 +94,7 @@ class RelayPublisher:
         chunk = max(1, int(per_second / 100))
         t0 = time.monotonic()
         for i in range(0, len(data), chunk):
-            for f in data[i:i + chunk]:
+            for f in data[i : i + chunk]:
                 self.socket.send(f)
             ahead = t0 + (i + chunk) / per_second - time.monotonic()
             if ahead > 0:

@@ -8,6 +8,7 @@ vLLM's own `set_weight_version_async` and `collective_rpc_async` go through
 
 from __future__ import annotations
 
+# ruff: noqa: F811 (pytest fixtures imported from weights_fixtures are parameters here)
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -23,8 +24,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def dp_server(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[ServeProcess]:
-    srv = ServeProcess(["--data-parallel-size", "2", "--enable-scale-out",
-                        "--allow-weights-from", str(checkpoints.root)], serve_env).start().wait_ready()
+    srv = (
+        ServeProcess(
+            ["--data-parallel-size", "2", "--enable-scale-out", "--allow-weights-from", str(checkpoints.root)],
+            serve_env,
+        )
+        .start()
+        .wait_ready()
+    )
     yield srv
     srv.kill()
 
@@ -32,7 +39,8 @@ def dp_server(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[S
 def _generate_on_rank(server: ServeProcess, rank: int) -> dict:
     body = json.dumps({"token_ids": [1, 43, 375, 82], "sampling_params": {"max_tokens": 4, "temperature": 0.0}})
     request = urllib.request.Request(
-        f"{server.http_url}/inference/v1/generate", data=body.encode(),
+        f"{server.http_url}/inference/v1/generate",
+        data=body.encode(),
         headers={"content-type": "application/json", "X-data-parallel-rank": str(rank)},
     )
     with urllib.request.urlopen(request, timeout=120) as response:
@@ -78,8 +86,10 @@ def test_one_update_reaches_both_ranks(dp_server: ServeProcess, checkpoints: Che
         assert after[rank]["weight_versions"][0]["version"] == "dp-B"
     verified = versions.VerifyWeights(vpb.VerifyWeightsRequest())
     assert verified.verdict == vpb.VERIFY_VERDICT_MATCH
-    assert [(r.dp_rank, r.verdict) for r in verified.ranks] == [(0, vpb.VERIFY_VERDICT_MATCH),
-                                                                (1, vpb.VERIFY_VERDICT_MATCH)]
+    assert [(r.dp_rank, r.verdict) for r in verified.ranks] == [
+        (0, vpb.VERIFY_VERDICT_MATCH),
+        (1, vpb.VERIFY_VERDICT_MATCH),
+    ]
     state = updates.GetGenerationState(upb.GetGenerationStateRequest()).state
     assert [r.dp_rank for r in state.ranks] == [0, 1] and not state.paused
     channel.close()

@@ -30,9 +30,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _digests(directory: Path) -> dict[str, str]:
-    return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())
-    }
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
 def _mtimes(directory: Path) -> dict[str, int]:
@@ -161,10 +159,7 @@ def test_concurrent_builders_share_one_model(tmp_path: Path, model_dir: Path) ->
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(2)
     results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_build_in_child, args=(str(tmp_path), barrier, results))
-        for _ in range(2)
-    ]
+    procs = [ctx.Process(target=_build_in_child, args=(str(tmp_path), barrier, results)) for _ in range(2)]
     for p in procs:
         p.start()
     paths = {results.get(timeout=300) for _ in procs}
@@ -174,6 +169,4 @@ def test_concurrent_builders_share_one_model(tmp_path: Path, model_dir: Path) ->
     assert paths == {str(tmp_path / "models" / MODEL_DIR_NAME)}
     built = Path(paths.pop())
     assert _digests(built) == _digests(model_dir)
-    assert sorted(os.listdir(tmp_path / "models")) == sorted(
-        [MODEL_DIR_NAME, f".{MODEL_DIR_NAME}.lock"]
-    )
+    assert sorted(os.listdir(tmp_path / "models")) == sorted([MODEL_DIR_NAME, f".{MODEL_DIR_NAME}.lock"])

@@ -33,8 +33,8 @@ from enginectl.client.errors import Reason, from_rpc_error
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as fpm_grpc
 from enginectl.server.grpc_server import ControlPlaneServer
-from enginectl.server.ledger import WeightVersionLedger
 from enginectl.server.serve import ENGINE_DEAD_EXIT_BOUND_S, ENGINE_DEAD_EXIT_CODE
+from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2 as wu_pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as wu_grpc
 from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
@@ -89,7 +89,8 @@ def test_engine_core_killed_ends_streams_refuses_reads_and_exits_non_zero(doomed
     watch = versions.WatchWeightVersion(wv_pb2.WatchWeightVersionRequest(), timeout=STREAM_DEADLINE_S)
     assert next(watch).weight_version.version == VERSION  # live: the current state came
     fpm = fpm_grpc.ForwardPassMetricsServiceStub(channel).StreamForwardPassMetrics(
-        fpm_pb2.StreamForwardPassMetricsRequest(include_heartbeats=True), timeout=STREAM_DEADLINE_S)
+        fpm_pb2.StreamForwardPassMetricsRequest(include_heartbeats=True), timeout=STREAM_DEADLINE_S
+    )
     assert next(fpm).HasField("progress")  # live: the first message is a progress
     health_watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=NOTICE_BOUND_S + 20)
     assert next(health_watch).status == SERVING
@@ -101,7 +102,8 @@ def test_engine_core_killed_ends_streams_refuses_reads_and_exits_non_zero(doomed
     # it, on the same connection, is answered only once the server has the first request.
     core.send_signal(signal.SIGSTOP)
     in_flight = wu_grpc.WeightUpdateServiceStub(channel).GetGenerationState.future(
-        wu_pb2.GetGenerationStateRequest(), timeout=STREAM_DEADLINE_S)
+        wu_pb2.GetGenerationStateRequest(), timeout=STREAM_DEADLINE_S
+    )
     assert versions.GetWeightVersion(wv_pb2.GetWeightVersionRequest(), timeout=60).weight_version.version == VERSION
     assert not in_flight.done()
     killed = time.monotonic()
@@ -153,14 +155,14 @@ def test_engine_core_killed_ends_streams_refuses_reads_and_exits_non_zero(doomed
     assert [e["exit_code"] for e in events if e.get("event") == "stopped"] == [ENGINE_DEAD_EXIT_CODE]
 
 
-async def _refusal(channel: grpc.aio.Channel, service: str, method: str, client_streaming: bool,
-                   server_streaming: bool) -> tuple[grpc.StatusCode, str]:
+async def _refusal(
+    channel: grpc.aio.Channel, service: str, method: str, client_streaming: bool, server_streaming: bool
+) -> tuple[grpc.StatusCode, str]:
     """Call `method` with an empty request (raw bytes: no stub needed); its (code, reason)."""
     path = f"/{service}/{method}"
     try:
         if server_streaming:
-            stream = (channel.stream_stream(path)(iter([b""])) if client_streaming
-                      else channel.unary_stream(path)(b""))
+            stream = channel.stream_stream(path)(iter([b""])) if client_streaming else channel.unary_stream(path)(b"")
             async for _ in stream:
                 pass
         elif client_streaming:
@@ -196,9 +198,12 @@ async def test_a_dead_engine_refuses_every_rpc_but_health_and_reflection() -> No
             for name in plane.service_names:
                 for m in pool.FindServiceByName(name).methods:
                     refusals[f"{name}/{m.name}"] = await _refusal(
-                        channel, name, m.name, m.client_streaming, m.server_streaming)
+                        channel, name, m.name, m.client_streaming, m.server_streaming
+                    )
             assert len(refusals) > 10 and "enginectl.weights.v1.WeightVersionService/GetWeightVersion" in refusals
-            assert {rpc: r for rpc, r in refusals.items() if r != (grpc.StatusCode.UNAVAILABLE, Reason.ENGINE_DEAD)} == {}
+            assert {
+                rpc: r for rpc, r in refusals.items() if r != (grpc.StatusCode.UNAVAILABLE, Reason.ENGINE_DEAD)
+            } == {}
 
             health = health_pb2_grpc.HealthStub(channel)
             await plane.set_serving(True)  # nothing brings a dead engine's server back
@@ -206,7 +211,8 @@ async def test_a_dead_engine_refuses_every_rpc_but_health_and_reflection() -> No
                 answer = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
                 assert answer.status == NOT_SERVING, service
             listing = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+            )
             async for response in listing:
                 listed = {s.name for s in response.list_services_response.service}
                 assert "enginectl.weights.v1.WeightVersionService" in listed

@@ -41,20 +41,25 @@ from typing import Any
 import grpc
 import psutil
 import pytest
-from google.longrunning import operations_pb2, operations_pb2_grpc
+from google.longrunning import operations_pb2
 from google.protobuf import duration_pb2
 from serving import ServeProcess, alive
-from weights_fixtures import Checkpoints, checkpoints, greedy_tokens, start_weights_server, stop_server  # noqa: F401
+from weights_fixtures import (  # noqa: F401
+    Checkpoints,
+    WeightStubs,
+    checkpoints,
+    greedy_tokens,
+    start_weights_server,
+    stop_server,
+)
 
 from enginectl.client.errors import EnginectlError, from_rpc_error, from_status
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as fpm_svc
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as fpm_grpc
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
-from enginectl.weights.v1 import weight_update_service_pb2_grpc as upb_grpc
 from enginectl.weights.v1 import weight_version_pb2 as wv
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
-from enginectl.weights.v1 import weight_version_service_pb2_grpc as vpb_grpc
 
 FAULT_PROCS = Path(__file__).with_name("fault_procs.py")
 UPDATE_TIMEOUT_S = 5.0  # short `timeout` of the broadcasts a trainer dies in
@@ -79,8 +84,13 @@ class Child:
     def __init__(self, *args: str) -> None:
         self.mode = args[0]
         self._stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, str(FAULT_PROCS), *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(FAULT_PROCS), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+        )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -140,42 +150,41 @@ class Child:
         self.close()
 
 
-class Stubs:
+class Stubs(WeightStubs):
+    timeout = 30.0
+
     def __init__(self, server: ServeProcess) -> None:
-        self.channel = grpc.insecure_channel(server.grpc_target)
-        self.updates = upb_grpc.WeightUpdateServiceStub(self.channel)
-        self.versions = vpb_grpc.WeightVersionServiceStub(self.channel)
-        self.ops = operations_pb2_grpc.OperationsStub(self.channel)
+        super().__init__(server)
         self.fpm = fpm_grpc.ForwardPassMetricsServiceStub(self.channel)
 
-    def version(self) -> wv.WeightVersion:
-        return self.versions.GetWeightVersion(vpb.GetWeightVersionRequest(), timeout=30).weight_version
-
-    def state(self) -> upb.GenerationState:
-        return self.updates.GetGenerationState(upb.GetGenerationStateRequest(), timeout=30).state
-
-    def poll(self, name: str, until: Callable[[upb.UpdateWeightsMetadata], bool],
-             timeout: float = FAILED_WITHIN_S) -> operations_pb2.Operation:
+    def poll(
+        self, name: str, until: Callable[[upb.UpdateWeightsMetadata], bool], timeout: float = FAILED_WITHIN_S
+    ) -> operations_pb2.Operation:
         """The Operation once `until(metadata)` holds or it is done; WaitOperation's own
         timeout paces the polling."""
         deadline = time.monotonic() + timeout
         while True:
-            op = self.ops.WaitOperation(operations_pb2.WaitOperationRequest(
-                name=name, timeout=duration_pb2.Duration(nanos=200_000_000)), timeout=30)
+            op = self.ops.WaitOperation(
+                operations_pb2.WaitOperationRequest(name=name, timeout=duration_pb2.Duration(nanos=200_000_000)),
+                timeout=30,
+            )
             if op.done or until(metadata(op)):
                 return op
             assert time.monotonic() < deadline, f"{name} not there within {timeout}s: {metadata(op)}"
 
     def finished(self, name: str, timeout: float = FAILED_WITHIN_S) -> operations_pb2.Operation:
-        op = self.ops.WaitOperation(operations_pb2.WaitOperationRequest(
-            name=name, timeout=duration_pb2.Duration(seconds=int(timeout))), timeout=timeout + 30)
+        op = self.ops.WaitOperation(
+            operations_pb2.WaitOperationRequest(name=name, timeout=duration_pb2.Duration(seconds=int(timeout))),
+            timeout=timeout + 30,
+        )
         assert op.done, f"{name} still running {timeout}s later: {metadata(op)}"
         return op
 
     def load(self, path: Path, version: str, request_id: str = "") -> operations_pb2.Operation:
         """UpdateWeightsFromDisk, waited for; fails the test unless it succeeded."""
-        op = self.updates.UpdateWeightsFromDisk(upb.UpdateWeightsFromDiskRequest(
-            path=str(path), weight_version=version, request_id=request_id), timeout=60)
+        op = self.updates.UpdateWeightsFromDisk(
+            upb.UpdateWeightsFromDiskRequest(path=str(path), weight_version=version, request_id=request_id), timeout=60
+        )
         done = self.finished(op.name, 120.0)
         assert done.WhichOneof("result") == "response", from_status(done.error)
         return done
@@ -212,10 +221,19 @@ def expected_failure(cause: str, written: bool) -> tuple[grpc.StatusCode, str, s
 
 def generated(server: ServeProcess, n: int) -> list[int]:
     """The token ids of an `n`-token completion (EOS ignored: mixed weights may emit it)."""
-    body = {"model": server.model, "prompt": [1, 2, 3], "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    request = urllib.request.Request(f"{server.http_url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = {
+        "model": server.model,
+        "prompt": [1, 2, 3],
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        f"{server.http_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         return list(json.load(response)["choices"][0]["token_ids"])
 
@@ -255,8 +273,11 @@ def assert_recovers(stubs: Stubs, server: ServeProcess, checkpoints: Checkpoints
 
 def assert_group_destroyed(stubs: Stubs, group: str) -> None:
     """A broadcast that timed out, broke or was cancelled can not be reused: the group is gone."""
-    err = refused(lambda: stubs.updates.DestroyWeightsUpdateGroup(
-        upb.DestroyWeightsUpdateGroupRequest(group_name=group), timeout=60))
+    err = refused(
+        lambda: stubs.updates.DestroyWeightsUpdateGroup(
+            upb.DestroyWeightsUpdateGroupRequest(group_name=group), timeout=60
+        )
+    )
     assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, "GROUP_NOT_FOUND"), err
 
 
@@ -267,8 +288,9 @@ def stalled_stream(server: ServeProcess, stubs: Stubs, file: Path, send_bytes: i
     child = Child("stream", server.grpc_target, str(file), request_id, "never", str(send_bytes))
     try:
         assert child.line()["sent"] == send_bytes
-        server.wait_for_event(lambda e: e.get("event") == "weight update started"
-                              and e.get("request_id") == request_id, timeout=60)
+        server.wait_for_event(
+            lambda e: e.get("event") == "weight update started" and e.get("request_id") == request_id, timeout=60
+        )
         name = f"operations/{request_id}"
         if send_bytes:
             op = stubs.poll(name, lambda m: m.weights_modified)
@@ -281,8 +303,9 @@ def stalled_stream(server: ServeProcess, stubs: Stubs, file: Path, send_bytes: i
     return child, name
 
 
-def trainer(server: ServeProcess, file: Path, group: str, count: int,
-            timeout: float = UPDATE_TIMEOUT_S) -> tuple[Child, str]:
+def trainer(
+    server: ServeProcess, file: Path, group: str, count: int, timeout: float = UPDATE_TIMEOUT_S
+) -> tuple[Child, str]:
     """A trainer child that broadcast `count` tensors of `file` (update `timeout`) and now
     waits; the Operation name."""
     child = Child("broadcast", server.grpc_target, str(file), group, "never", str(count), str(timeout))
@@ -319,8 +342,9 @@ class FirstLife:
 def _fpm_position(stubs: Stubs, at_least: int = 1) -> tuple[int, str]:
     """(sequence, incarnation) of the first sample a subscriber reads whose sequence is at least
     `at_least` (heartbeats come every second while idle)."""
-    call = stubs.fpm.StreamForwardPassMetrics(fpm_svc.StreamForwardPassMetricsRequest(include_heartbeats=True),
-                                              timeout=60)
+    call = stubs.fpm.StreamForwardPassMetrics(
+        fpm_svc.StreamForwardPassMetricsRequest(include_heartbeats=True), timeout=60
+    )
     incarnation = ""
     try:
         for response in call:
@@ -348,8 +372,9 @@ def first_life(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[
 
         # A slow update: the client stalls after the first tensors were written.
         child, running = stalled_stream(srv, stubs, checkpoints.file("B"), WRITTEN_BYTES)
-        waiter = stubs.ops.WaitOperation.future(operations_pb2.WaitOperationRequest(
-            name=running, timeout=duration_pb2.Duration(seconds=600)), timeout=600)
+        waiter = stubs.ops.WaitOperation.future(
+            operations_pb2.WaitOperationRequest(name=running, timeout=duration_pb2.Duration(seconds=600)), timeout=600
+        )
         children = srv.descendants()
         assert children, "the engine runs in child processes"
         assert srv.proc is not None
@@ -372,10 +397,18 @@ def first_life(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[
         except grpc.FutureTimeoutError:
             waiter_ended = "still waiting 30 s after the server exited"
         yield FirstLife(
-            incarnation=version.incarnation, etag=version.etag, revision=version.revision,
-            fpm_sequence=fpm_sequence, fpm_incarnation=fpm_incarnation, finished_operation=finished,
-            running_operation=running, exit_code=code, exit_seconds=exit_seconds, stream_ended=stream_ended,
-            waiter_ended=waiter_ended, left_behind=left,
+            incarnation=version.incarnation,
+            etag=version.etag,
+            revision=version.revision,
+            fpm_sequence=fpm_sequence,
+            fpm_incarnation=fpm_incarnation,
+            finished_operation=finished,
+            running_operation=running,
+            exit_code=code,
+            exit_seconds=exit_seconds,
+            stream_ended=stream_ended,
+            waiter_ended=waiter_ended,
+            left_behind=left,
         )
     finally:
         stubs.close()
@@ -410,8 +443,7 @@ def test_sigterm_during_an_update_ends_its_calls_with_unavailable(first_life: Fi
 
 
 @pytest.fixture(scope="module")
-def fault_server(first_life: FirstLife, serve_env: dict[str, str],
-                 checkpoints: Checkpoints) -> Iterator[ServeProcess]:
+def fault_server(first_life: FirstLife, serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[ServeProcess]:
     """Started after `first_life` ended, on the same model and flags: its restart."""
     srv = start_weights_server(serve_env, checkpoints)
     yield srv
@@ -446,8 +478,11 @@ def recovered(stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int]) -> It
 def test_restart_refuses_the_old_etag(first_life: FirstLife, stubs: Stubs) -> None:
     before = stubs.version()
     assert before.incarnation != first_life.incarnation
-    err = refused(lambda: stubs.versions.SetWeightVersion(
-        vpb.SetWeightVersionRequest(version="after-restart", etag=first_life.etag), timeout=30))
+    err = refused(
+        lambda: stubs.versions.SetWeightVersion(
+            vpb.SetWeightVersionRequest(version="after-restart", etag=first_life.etag), timeout=30
+        )
+    )
     assert (err.code, err.reason) == (grpc.StatusCode.ABORTED, "ETAG_MISMATCH"), err
     assert err.metadata.get("incarnation") == before.incarnation, err
     assert stubs.version() == before
@@ -459,8 +494,7 @@ def test_restart_refuses_the_old_watch_position(first_life: FirstLife, stubs: St
     while stubs.version().revision < first_life.revision:  # the old revision exists here too:
         stubs.versions.SetWeightVersion(vpb.SetWeightVersionRequest(version="after-restart"), timeout=30)
     # only the incarnation tells the two apart
-    request = vpb.WatchWeightVersionRequest(since_revision=first_life.revision,
-                                            incarnation=first_life.incarnation)
+    request = vpb.WatchWeightVersionRequest(since_revision=first_life.revision, incarnation=first_life.incarnation)
     current = stubs.version().incarnation
     err = refused(lambda: next(iter(stubs.versions.WatchWeightVersion(request, timeout=30))))
     assert (err.code, err.reason) == (grpc.StatusCode.OUT_OF_RANGE, "INCARNATION_CHANGED"), err
@@ -471,8 +505,9 @@ def test_restart_refuses_the_old_fpm_position(first_life: FirstLife, stubs: Stub
     # The old sequence exists here too (heartbeats every second): only the incarnation tells
     # the two apart.
     assert _fpm_position(stubs, at_least=first_life.fpm_sequence)[0] >= first_life.fpm_sequence
-    request = fpm_svc.StreamForwardPassMetricsRequest(resume_after_sequence=first_life.fpm_sequence,
-                                                      resume_incarnation=first_life.fpm_incarnation)
+    request = fpm_svc.StreamForwardPassMetricsRequest(
+        resume_after_sequence=first_life.fpm_sequence, resume_incarnation=first_life.fpm_incarnation
+    )
     current = stubs.version().incarnation
     err = refused(lambda: next(iter(stubs.fpm.StreamForwardPassMetrics(request, timeout=30))))
     assert (err.code, err.reason) == (grpc.StatusCode.OUT_OF_RANGE, "INCARNATION_CHANGED"), err
@@ -482,8 +517,8 @@ def test_restart_refuses_the_old_fpm_position(first_life: FirstLife, stubs: Stub
 def test_restart_forgets_the_old_operations(first_life: FirstLife, stubs: Stubs) -> None:
     for name in (first_life.finished_operation, first_life.running_operation):
         for call in (
-            lambda: stubs.ops.GetOperation(operations_pb2.GetOperationRequest(name=name), timeout=30),
-            lambda: stubs.ops.WaitOperation(operations_pb2.WaitOperationRequest(name=name), timeout=30),
+            lambda name=name: stubs.ops.GetOperation(operations_pb2.GetOperationRequest(name=name), timeout=30),
+            lambda name=name: stubs.ops.WaitOperation(operations_pb2.WaitOperationRequest(name=name), timeout=30),
         ):
             err = refused(call)
             assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, "OPERATION_NOT_FOUND"), (name, err)
@@ -493,8 +528,8 @@ def test_restart_forgets_the_old_operations(first_life: FirstLife, stubs: Stubs)
 
 
 def test_trainer_killed_mid_broadcast_leaves_a_partial_update_until_one_succeeds(
-        fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int],
-        recovered: None) -> None:
+    fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], recovered: None
+) -> None:
     group = f"killed-{uuid.uuid4().hex[:8]}"
     half = len(checkpoints.state_dict("B")) // 2
     child, name = trainer(fault_server, checkpoints.file("B"), group, half)
@@ -512,8 +547,8 @@ def test_trainer_killed_mid_broadcast_leaves_a_partial_update_until_one_succeeds
 
 
 def test_trainer_stalled_mid_broadcast_times_out_and_loses_its_group(
-        fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int],
-        recovered: None) -> None:
+    fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], recovered: None
+) -> None:
     """The trainer stays connected but stops sending: the update's `timeout` ends the receive
     (DEADLINE_EXCEEDED, cause GROUP_TIMEOUT) and the timed-out group is destroyed."""
     group = f"stalled-{uuid.uuid4().hex[:8]}"
@@ -530,8 +565,8 @@ def test_trainer_stalled_mid_broadcast_times_out_and_loses_its_group(
 
 
 def test_trainer_killed_before_its_first_tensor_changes_nothing(
-        fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int],
-        recovered: None) -> None:
+    fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], recovered: None
+) -> None:
     before = stubs.version()
     group = f"killed-early-{uuid.uuid4().hex[:8]}"
     child, name = trainer(fault_server, checkpoints.file("B"), group, 0)
@@ -552,8 +587,8 @@ def test_trainer_killed_before_its_first_tensor_changes_nothing(
 
 @pytest.mark.parametrize("sent", [0, WRITTEN_BYTES], ids=["after-header", "after-writes"])
 def test_tensor_stream_client_killed_is_a_broken_stream(
-        sent: int, fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int],
-        recovered: None) -> None:
+    sent: int, fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], recovered: None
+) -> None:
     """A client that dies is STREAM_BROKEN (CANCELLED), never DATA_SIZE_MISMATCH: it did not
     half-close, its connection broke."""
     before = stubs.version()
@@ -573,8 +608,8 @@ def test_tensor_stream_client_killed_is_a_broken_stream(
 
 @pytest.mark.parametrize("sent", [0, WRITTEN_BYTES], ids=["after-header", "after-writes"])
 def test_tensor_stream_half_closed_early_is_a_size_mismatch(
-        sent: int, fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int],
-        recovered: None) -> None:
+    sent: int, fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], recovered: None
+) -> None:
     """A client that half-closes cleanly before the last byte: DATA_SIZE_MISMATCH
     (INVALID_ARGUMENT), on its call and on the Operation."""
     before = stubs.version()
@@ -587,7 +622,10 @@ def test_tensor_stream_half_closed_early_is_a_size_mismatch(
     expected = expected_failure("DATA_SIZE_MISMATCH", written)
     assert failure(op) == expected
     assert (ended["code"], ended["reason"], ended["metadata"].get("cause")) == (
-        expected[0].name, expected[1], expected[2]), ended
+        expected[0].name,
+        expected[1],
+        expected[2],
+    ), ended
     if written:
         assert_partial(stubs, op, "DATA_SIZE_MISMATCH")
         assert_recovers(stubs, fault_server, checkpoints, tokens_a)
@@ -599,8 +637,8 @@ def test_tensor_stream_half_closed_early_is_a_size_mismatch(
 
 
 def test_cancel_while_a_broadcast_waits_for_its_first_tensor_changes_nothing(
-        fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int],
-        recovered: None) -> None:
+    fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], recovered: None
+) -> None:
     before = stubs.version()
     group = f"cancelled-{uuid.uuid4().hex[:8]}"
     child, name = trainer(fault_server, checkpoints.file("B"), group, 0, timeout=300.0)  # only the cancel ends it
@@ -615,8 +653,8 @@ def test_cancel_while_a_broadcast_waits_for_its_first_tensor_changes_nothing(
 
 
 def test_cancel_after_writing_began_holds_generation_until_a_forced_resume(
-        fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int],
-        recovered: None) -> None:
+    fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], recovered: None
+) -> None:
     child, name = stalled_stream(fault_server, stubs, checkpoints.file("B"), WRITTEN_BYTES)
     with child:
         stubs.ops.CancelOperation(operations_pb2.CancelOperationRequest(name=name), timeout=30)
@@ -624,7 +662,10 @@ def test_cancel_after_writing_began_holds_generation_until_a_forced_resume(
         ended = child.line(timeout=30)  # the stream's call ends with the Operation's error
     assert failure(op) == (grpc.StatusCode.CANCELLED, "PARTIAL_UPDATE", "UPDATE_CANCELLED")
     assert (ended["code"], ended["reason"], ended["metadata"].get("cause")) == (
-        "CANCELLED", "PARTIAL_UPDATE", "UPDATE_CANCELLED"), ended
+        "CANCELLED",
+        "PARTIAL_UPDATE",
+        "UPDATE_CANCELLED",
+    ), ended
     assert_partial(stubs, op, "UPDATE_CANCELLED")
 
     resumed = stubs.updates.ResumeGeneration(upb.ResumeGenerationRequest(force=True), timeout=30)
@@ -639,8 +680,12 @@ def test_cancel_after_writing_began_holds_generation_until_a_forced_resume(
 # --- an FPM subscriber killed, resuming ----------------------------------------------------
 
 
-async def _read_samples(call: grpc.aio.UnaryStreamCall, until: Callable[[list[fpm_pb2.ForwardPassMetrics]], bool],
-                        samples: list[fpm_pb2.ForwardPassMetrics], timeout: float = 60.0) -> None:
+async def _read_samples(
+    call: grpc.aio.UnaryStreamCall,
+    until: Callable[[list[fpm_pb2.ForwardPassMetrics]], bool],
+    samples: list[fpm_pb2.ForwardPassMetrics],
+    timeout: float = 60.0,
+) -> None:
     """Append the stream's samples to `samples` until `until(samples)`; no sample may be missed."""
     deadline = time.monotonic() + timeout
     while not until(samples):
@@ -654,7 +699,8 @@ async def _read_samples(call: grpc.aio.UnaryStreamCall, until: Callable[[list[fp
 
 
 async def test_fpm_subscriber_killed_resumes_every_sample_exactly_once(
-        fault_server: ServeProcess, tokens_a: list[int]) -> None:
+    fault_server: ServeProcess, tokens_a: list[int]
+) -> None:
     def generate() -> Any:
         return asyncio.to_thread(greedy_tokens, fault_server)  # steps of the real scheduler
 
@@ -676,16 +722,20 @@ async def test_fpm_subscriber_killed_resumes_every_sample_exactly_once(
         last, incarnation = seen[-1]["sequence"], progress["incarnation"]
         await generate()  # samples made while it is gone
 
-        resumed = stub.StreamForwardPassMetrics(fpm_svc.StreamForwardPassMetricsRequest(
-            include_heartbeats=True, resume_after_sequence=last, resume_incarnation=incarnation))
+        resumed = stub.StreamForwardPassMetrics(
+            fpm_svc.StreamForwardPassMetricsRequest(
+                include_heartbeats=True, resume_after_sequence=last, resume_incarnation=incarnation
+            )
+        )
         first = await asyncio.wait_for(resumed.read(), 30)
         assert first.HasField("progress") and first.progress.sequence == last, first
         head = first.progress.head_sequence
         assert head > last, "samples were made while the subscriber was gone"
         await generate()  # live ones
         got: list[fpm_pb2.ForwardPassMetrics] = []
-        await _read_samples(resumed, lambda s: any(x.kind == fpm_pb2.SAMPLE_KIND_STEP and x.sequence > head
-                                                   for x in s), got)
+        await _read_samples(
+            resumed, lambda s: any(x.kind == fpm_pb2.SAMPLE_KIND_STEP and x.sequence > head for x in s), got
+        )
         resumed.cancel()
         # Every sample after `last`, once, in order: sequences are server-wide and contiguous.
         assert [s.sequence for s in got] == list(range(last + 1, last + 1 + len(got)))

@@ -58,12 +58,6 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from enginectl.client.errors import DOMAIN, Reason
-from enginectl.fpm.v1 import fpm_identity_service_pb2 as fpb
-from enginectl.server.interceptors import is_read_only
-from enginectl.weights.v1 import weight_update_service_pb2 as upb
-from enginectl.weights.v1 import weight_version_pb2 as wv
-from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 from google.longrunning import operations_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2, text_format
@@ -77,6 +71,13 @@ from grpc_status import rpc_status
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from serving import ServeProcess
+
+from enginectl.client.errors import DOMAIN, Reason
+from enginectl.fpm.v1 import fpm_identity_service_pb2 as fpb
+from enginectl.server.interceptors import is_read_only
+from enginectl.weights.v1 import weight_update_service_pb2 as upb
+from enginectl.weights.v1 import weight_version_pb2 as wv
+from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 
 # --- what is fuzzed ---------------------------------------------------------------------
 
@@ -143,10 +144,38 @@ KNOWN_REASONS = {value for name, value in vars(Reason).items() if name.isupper()
 # --- edge values ------------------------------------------------------------------------
 
 EDGE_STRINGS = [
-    "", " ", "0", "-1", "\x00", "a\x00b", "\n", "line\nbreak", "\r\n", "\t", "\x1b[31m", "\x7f",
-    "\x01\x02", "\u0085", "\u2028", "\u202e", "\ufeff", "ü", "💥", "a" * 256, "a" * 257,
-    "ü" * 128, "ü" * 129, "%s%n%x", "{}", "'\"", "operations/", "../../etc/passwd", "None",
-    "null", "NaN", "1e309",
+    "",
+    " ",
+    "0",
+    "-1",
+    "\x00",
+    "a\x00b",
+    "\n",
+    "line\nbreak",
+    "\r\n",
+    "\t",
+    "\x1b[31m",
+    "\x7f",
+    "\x01\x02",
+    "\u0085",
+    "\u2028",
+    "\u202e",
+    "\ufeff",
+    "ü",
+    "💥",
+    "a" * 256,
+    "a" * 257,
+    "ü" * 128,
+    "ü" * 129,
+    "%s%n%x",
+    "{}",
+    "'\"",
+    "operations/",
+    "../../etc/passwd",
+    "None",
+    "null",
+    "NaN",
+    "1e309",
 ]
 INT32 = (-(2**31), 2**31 - 1)
 UINT32 = (0, 2**32 - 1)
@@ -162,18 +191,43 @@ def weighted(*choices: tuple[int, st.SearchStrategy[Any]]) -> st.SearchStrategy[
 
 
 def edge_ints(lo: int, hi: int) -> st.SearchStrategy[int]:
-    edges = sorted({v for v in (lo, hi, 0, 1, 2, 3, -1, 255, 256, 65535, 65536, 65537, 2**31 - 1,
-                                2**31, 2**32 - 1, 2**32, 2**53, 2**63 - 1) if lo <= v <= hi})
+    edges = sorted(
+        {
+            v
+            for v in (
+                lo,
+                hi,
+                0,
+                1,
+                2,
+                3,
+                -1,
+                255,
+                256,
+                65535,
+                65536,
+                65537,
+                2**31 - 1,
+                2**31,
+                2**32 - 1,
+                2**32,
+                2**53,
+                2**63 - 1,
+            )
+            if lo <= v <= hi
+        }
+    )
     return st.one_of(st.sampled_from(edges), st.integers(lo, hi))
 
 
 def huge_string() -> st.SearchStrategy[str]:
-    return st.tuples(st.sampled_from(["x", "ü", "💥", "/", "\x01"]), st.integers(257, 5000)).map(
-        lambda t: t[0] * t[1])
+    return st.tuples(st.sampled_from(["x", "ü", "💥", "/", "\x01"]), st.integers(257, 5000)).map(lambda t: t[0] * t[1])
 
 
 STRINGS: st.SearchStrategy[str] = st.one_of(
-    st.sampled_from(EDGE_STRINGS), st.text(max_size=24), huge_string(),
+    st.sampled_from(EDGE_STRINGS),
+    st.text(max_size=24),
+    huge_string(),
 )
 BYTES: st.SearchStrategy[bytes] = st.one_of(st.binary(max_size=64), st.sampled_from([b"", b"\x00" * 300]))
 
@@ -199,7 +253,8 @@ SCALARS: dict[int, st.SearchStrategy[Any]] = {
 def short_durations() -> st.SearchStrategy[duration_pb2.Duration]:
     """Accepted timeouts, from 1 ns (expires before anything happens) to 2 s."""
     return st.integers(1, MAX_FUZZ_TIMEOUT_NS).map(
-        lambda ns: duration_pb2.Duration(seconds=ns // 10**9, nanos=ns % 10**9))
+        lambda ns: duration_pb2.Duration(seconds=ns // 10**9, nanos=ns % 10**9)
+    )
 
 
 def durations() -> st.SearchStrategy[duration_pb2.Duration]:
@@ -211,9 +266,22 @@ def durations() -> st.SearchStrategy[duration_pb2.Duration]:
 
     short = short_durations()
     out_of_range = st.one_of(
-        st.sampled_from([(0, 0), (0, -1), (-1, 0), (-1, -999_999_999), (*INT64[:1], 0), (INT64[1], 0),
-                         (315_576_000_001, 0), (-315_576_000_001, 0), (NEVER_ACCEPTED_S, 0),
-                         (NEVER_ACCEPTED_S + 1, -1), (10**12, 0), (1, 10**9)]).map(lambda t: make(*t)),
+        st.sampled_from(
+            [
+                (0, 0),
+                (0, -1),
+                (-1, 0),
+                (-1, -999_999_999),
+                (*INT64[:1], 0),
+                (INT64[1], 0),
+                (315_576_000_001, 0),
+                (-315_576_000_001, 0),
+                (NEVER_ACCEPTED_S, 0),
+                (NEVER_ACCEPTED_S + 1, -1),
+                (10**12, 0),
+                (1, 10**9),
+            ]
+        ).map(lambda t: make(*t)),
         st.integers(NEVER_ACCEPTED_S, INT64[1]).map(lambda s: make(s, 0)),
         st.integers(INT64[0], -1).map(lambda s: make(s, 0)),
     )
@@ -247,11 +315,9 @@ class MessageBuilder:
         if descriptor.full_name == "google.protobuf.Duration":
             return durations()
         if descriptor.full_name == "google.protobuf.Timestamp":
-            return st.tuples(edge_ints(*INT64), edge_ints(*INT32)).map(
-                lambda t: cls(seconds=t[0], nanos=t[1]))
+            return st.tuples(edge_ints(*INT64), edge_ints(*INT32)).map(lambda t: cls(seconds=t[0], nanos=t[1]))
         if descriptor.full_name == "google.protobuf.Any":
-            return st.one_of(st.just(cls()), st.tuples(STRINGS, BYTES).map(
-                lambda t: cls(type_url=t[0], value=t[1])))
+            return st.one_of(st.just(cls()), st.tuples(STRINGS, BYTES).map(lambda t: cls(type_url=t[0], value=t[1])))
 
         @st.composite
         def build(draw: st.DrawFn) -> Message:
@@ -278,8 +344,9 @@ class MessageBuilder:
         mutated = self._mutate(descriptor, baseline(self.fuzzer), depth)
         return weighted((2, mutated), (1, build()))  # simplest first: the valid request
 
-    def _mutate(self, descriptor: _descriptor.Descriptor, valid: st.SearchStrategy[Message],
-                depth: int) -> st.SearchStrategy[Message]:
+    def _mutate(
+        self, descriptor: _descriptor.Descriptor, valid: st.SearchStrategy[Message], depth: int
+    ) -> st.SearchStrategy[Message]:
         """A valid request with up to two fields fuzzed (or cleared): reaches the checks that
         come after the first refusal a fully random request would hit."""
 
@@ -362,38 +429,56 @@ def _uuids() -> st.SearchStrategy[str]:
 
 
 HINTS: dict[str, Hint] = {
-    "version": lambda fz: st.one_of(st.sampled_from(["initial", "default", "0", "step-1", "ü" * 128]),
-                                    st.integers(0, 10**6).map(lambda n: f"fuzz-{n}")),
-    "weight_version": lambda fz: st.one_of(st.sampled_from(["initial", "0", "ü" * 128]),
-                                           st.integers(0, 10**6).map(lambda n: f"fuzz-{n}")),
-    "etag": lambda fz: st.one_of(st.just(""), _dynamic(lambda: [fz.version.etag], ""),
-                                 _dynamic(lambda: fz.seen_etags, "")),
-    "request_id": lambda fz: st.one_of(st.just(""), _uuids(), _dynamic(lambda: fz.seen_request_ids, ""),
-                                       _uuids().map(str.upper), _uuids().map(lambda u: "{" + u + "}")),
+    "version": lambda fz: st.one_of(
+        st.sampled_from(["initial", "default", "0", "step-1", "ü" * 128]),
+        st.integers(0, 10**6).map(lambda n: f"fuzz-{n}"),
+    ),
+    "weight_version": lambda fz: st.one_of(
+        st.sampled_from(["initial", "0", "ü" * 128]), st.integers(0, 10**6).map(lambda n: f"fuzz-{n}")
+    ),
+    "etag": lambda fz: st.one_of(
+        st.just(""), _dynamic(lambda: [fz.version.etag], ""), _dynamic(lambda: fz.seen_etags, "")
+    ),
+    "request_id": lambda fz: st.one_of(
+        st.just(""),
+        _uuids(),
+        _dynamic(lambda: fz.seen_request_ids, ""),
+        _uuids().map(str.upper),
+        _uuids().map(lambda u: "{" + u + "}"),
+    ),
     "path": lambda fz: st.sampled_from(fz.paths),
-    "group_name": lambda fz: st.sampled_from(["g", "fuzz-group", "a.b_c-d", "x" * 128, "x" * 129, "with space",
-                                              "ü", "a/b"]),
+    "group_name": lambda fz: st.sampled_from(
+        ["g", "fuzz-group", "a.b_c-d", "x" * 128, "x" * 129, "with space", "ü", "a/b"]
+    ),
     "master_address": lambda fz: st.sampled_from(MASTER_ADDRESSES),
     "master_port": lambda fz: st.sampled_from([0, fz.dead_port, 65536, 2**32 - 1]),
     "rank_offset": lambda fz: st.sampled_from([0, 1, 2, 65536, 2**32 - 1]),
     "world_size": lambda fz: st.sampled_from([0, 1, 2, 3, 65536, 65537, 2**31, 2**32 - 1]),
-    "worker_id": lambda fz: st.one_of(st.sampled_from(["w", "worker-0", "ü" * 128, "ü" * 129, "a\x00b",
-                                                       "tab\there"]),
-                                      st.integers(0, 99).map(lambda n: f"fuzz-worker-{n}")),
+    "worker_id": lambda fz: st.one_of(
+        st.sampled_from(["w", "worker-0", "ü" * 128, "ü" * 129, "a\x00b", "tab\there"]),
+        st.integers(0, 99).map(lambda n: f"fuzz-worker-{n}"),
+    ),
     # google.longrunning: names of operations of this incarnation, and near misses.
-    "name": lambda fz: st.one_of(_dynamic(lambda: fz.operation_names, "operations/none"),
-                                 _uuids().map(lambda u: f"operations/{u}"),
-                                 st.sampled_from(["operations/", "operations", "operations/../x"])),
-    "google.longrunning.ListOperationsRequest.filter": lambda fz: st.sampled_from(["", "done=true", "done=false", "done=TRUE", "done = true"]),
+    "name": lambda fz: st.one_of(
+        _dynamic(lambda: fz.operation_names, "operations/none"),
+        _uuids().map(lambda u: f"operations/{u}"),
+        st.sampled_from(["operations/", "operations", "operations/../x"]),
+    ),
+    "google.longrunning.ListOperationsRequest.filter": lambda fz: st.sampled_from(
+        ["", "done=true", "done=false", "done=TRUE", "done = true"]
+    ),
     "page_token": lambda fz: st.sampled_from(["", "0", "1", "2", "-1", "999999", "1e3", "٣", " 1", "x"]),
     "page_size": lambda fz: st.sampled_from([0, 1, 2, 100, 101, -1, 2**31 - 1]),
-    "since_revision": lambda fz: st.one_of(_dynamic(lambda: [fz.version.revision, fz.version.revision + 1,
-                                                             max(fz.version.revision - 1, 0)], 0),
-                                           st.sampled_from([0, 2**64 - 1])),
-    "incarnation": lambda fz: st.one_of(_dynamic(lambda: [fz.version.incarnation], ""),
-                                        st.sampled_from(["", "0" * 16, "i" * 10_000])),
-    "resume_incarnation": lambda fz: st.one_of(_dynamic(lambda: [fz.version.incarnation], ""),
-                                               st.sampled_from(["", "0" * 16, "i" * 10_000])),
+    "since_revision": lambda fz: st.one_of(
+        _dynamic(lambda: [fz.version.revision, fz.version.revision + 1, max(fz.version.revision - 1, 0)], 0),
+        st.sampled_from([0, 2**64 - 1]),
+    ),
+    "incarnation": lambda fz: st.one_of(
+        _dynamic(lambda: [fz.version.incarnation], ""), st.sampled_from(["", "0" * 16, "i" * 10_000])
+    ),
+    "resume_incarnation": lambda fz: st.one_of(
+        _dynamic(lambda: [fz.version.incarnation], ""), st.sampled_from(["", "0" * 16, "i" * 10_000])
+    ),
     "resume_after_sequence": lambda fz: st.sampled_from([0, 1, 5, 10_000, 2**63, 2**64 - 1]),
     "max_batch_size": lambda fz: st.sampled_from([0, 1, 1000, 10_000, 10_001, 2**32 - 1]),
     "enginectl.weights.v1.TensorSpec.name": lambda fz: st.sampled_from(fz.tensor_names),
@@ -406,31 +491,48 @@ HINTS: dict[str, Hint] = {
 # rendezvous that is refused at once, an update of the model's own values.
 BASELINES: dict[str, Callable[[Fuzzer], st.SearchStrategy[Message]]] = {
     "enginectl.weights.v1.SetWeightVersionRequest": lambda fz: st.tuples(
-        HINTS["version"](fz), st.one_of(st.just(""), _dynamic(lambda: [fz.version.etag], "")),
-        st.one_of(st.just(""), _uuids())).map(lambda t: vpb.SetWeightVersionRequest(version=t[0], etag=t[1],
-                                                                                     request_id=t[2])),
+        HINTS["version"](fz),
+        st.one_of(st.just(""), _dynamic(lambda: [fz.version.etag], "")),
+        st.one_of(st.just(""), _uuids()),
+    ).map(lambda t: vpb.SetWeightVersionRequest(version=t[0], etag=t[1], request_id=t[2])),
     "enginectl.weights.v1.PauseGenerationRequest": lambda fz: st.tuples(
-        st.sampled_from([0, 1, 2, 3]), st.booleans()).map(lambda t: upb.PauseGenerationRequest(
-            mode=t[0], clear_cache=t[1], wait_timeout=duration_pb2.Duration(seconds=1))),
+        st.sampled_from([0, 1, 2, 3]), st.booleans()
+    ).map(
+        lambda t: upb.PauseGenerationRequest(mode=t[0], clear_cache=t[1], wait_timeout=duration_pb2.Duration(seconds=1))
+    ),
     "enginectl.weights.v1.InitWeightsUpdateGroupRequest": lambda fz: st.tuples(
-        st.sampled_from(["g", "fuzz-group"]), st.sampled_from([1, 2]), st.integers(0, 3)).map(
-            lambda t: upb.InitWeightsUpdateGroupRequest(
-                group_name=t[0], master_address="127.0.0.1", master_port=fz.dead_port, rank_offset=t[1],
-                world_size=t[1] + 1 + t[2], backend=upb.GROUP_BACKEND_GLOO,
-                timeout=duration_pb2.Duration(nanos=500_000_000))),
+        st.sampled_from(["g", "fuzz-group"]), st.sampled_from([1, 2]), st.integers(0, 3)
+    ).map(
+        lambda t: upb.InitWeightsUpdateGroupRequest(
+            group_name=t[0],
+            master_address="127.0.0.1",
+            master_port=fz.dead_port,
+            rank_offset=t[1],
+            world_size=t[1] + 1 + t[2],
+            backend=upb.GROUP_BACKEND_GLOO,
+            timeout=duration_pb2.Duration(nanos=500_000_000),
+        )
+    ),
     "enginectl.weights.v1.UpdateWeightsFromDiskRequest": lambda fz: st.tuples(
-        st.sampled_from(fz.good_paths), st.one_of(st.none(), HINTS["weight_version"](fz)),
-        st.sampled_from([0, 1, 2, 3]), short_durations()).map(lambda t: _with_version(
-            upb.UpdateWeightsFromDiskRequest(path=t[0], pause_mode=t[2], timeout=t[3]), t[1])),
+        st.sampled_from(fz.good_paths),
+        st.one_of(st.none(), HINTS["weight_version"](fz)),
+        st.sampled_from([0, 1, 2, 3]),
+        short_durations(),
+    ).map(lambda t: _with_version(upb.UpdateWeightsFromDiskRequest(path=t[0], pause_mode=t[2], timeout=t[3]), t[1])),
     "enginectl.weights.v1.UpdateWeightsFromDistributedRequest": lambda fz: fz.tensor_lists().map(
         lambda tensors: upb.UpdateWeightsFromDistributedRequest(
-            group_name="fuzz-group", tensors=tensors, timeout=duration_pb2.Duration(seconds=1))),
+            group_name="fuzz-group", tensors=tensors, timeout=duration_pb2.Duration(seconds=1)
+        )
+    ),
     "enginectl.fpm.v1.SetWorkerIdentityRequest": lambda fz: HINTS["worker_id"](fz).map(
-        lambda w: fpb.SetWorkerIdentityRequest(worker_id=w, timeout=duration_pb2.Duration(seconds=2))),
+        lambda w: fpb.SetWorkerIdentityRequest(worker_id=w, timeout=duration_pb2.Duration(seconds=2))
+    ),
     "enginectl.weights.v1.WatchWeightVersionRequest": lambda fz: HINTS["since_revision"](fz).map(
-        lambda r: vpb.WatchWeightVersionRequest(since_revision=r, incarnation=fz.version.incarnation)),
+        lambda r: vpb.WatchWeightVersionRequest(since_revision=r, incarnation=fz.version.incarnation)
+    ),
     "google.longrunning.WaitOperationRequest": lambda fz: HINTS["name"](fz).map(
-        lambda n: operations_pb2.WaitOperationRequest(name=n, timeout=duration_pb2.Duration(nanos=100_000_000))),
+        lambda n: operations_pb2.WaitOperationRequest(name=n, timeout=duration_pb2.Duration(nanos=100_000_000))
+    ),
 }
 
 
@@ -457,11 +559,13 @@ def _safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]) -
 def _read_safetensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
     blob = path.read_bytes()
     (length,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8:8 + length])
+    header = json.loads(blob[8 : 8 + length])
     header.pop("__metadata__", None)
     base = 8 + length
-    return {name: (e["dtype"], e["shape"], blob[base + e["data_offsets"][0]:base + e["data_offsets"][1]])
-            for name, e in header.items()}
+    return {
+        name: (e["dtype"], e["shape"], blob[base + e["data_offsets"][0] : base + e["data_offsets"][1]])
+        for name, e in header.items()
+    }
 
 
 DTYPE_CODES = {"F32": upb.TENSOR_DTYPE_FLOAT32, "F16": upb.TENSOR_DTYPE_FLOAT16, "BF16": upb.TENSOR_DTYPE_BFLOAT16}
@@ -477,8 +581,13 @@ def make_fodder(root: Path, model: Path) -> tuple[list[str], list[str]]:
     shutil.copy(checkpoint, root / "good" / "model.safetensors")
     (root / "subset").mkdir()
     _safetensors(root / "subset" / "model.safetensors", norms)  # the same values: loads, changes nothing
-    _safetensors(root / "f16.safetensors", {  # floats are cast on load
-        k: ("F16", shape, np.frombuffer(data, "<f4").astype("<f2").tobytes()) for k, (_, shape, data) in norms.items()})
+    _safetensors(
+        root / "f16.safetensors",
+        {  # floats are cast on load
+            k: ("F16", shape, np.frombuffer(data, "<f4").astype("<f2").tobytes())
+            for k, (_, shape, data) in norms.items()
+        },
+    )
     _safetensors(root / "int.safetensors", {k: ("I32", s, d) for k, (_, s, d) in norms.items()})
     _safetensors(root / "unknown.safetensors", {"no.such.weight": ("F32", [2], b"\x00" * 8)})
     name, (dtype, shape, data) = next(iter(norms.items()))
@@ -486,11 +595,15 @@ def make_fodder(root: Path, model: Path) -> tuple[list[str], list[str]]:
     (root / "index").mkdir()
     shutil.copy(root / "subset" / "model.safetensors", root / "index" / "part.safetensors")
     (root / "index" / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {k: "part.safetensors" for k in norms}}))
+        json.dumps({"weight_map": {k: "part.safetensors" for k in norms}})
+    )
     (root / "badindex").mkdir()
     (root / "badindex" / "up.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {name: "../good/model.safetensors"}}))
-    (root / "badindex" / "missing.safetensors.index.json").write_text(json.dumps({"weight_map": {name: "gone.safetensors"}}))
+        json.dumps({"weight_map": {name: "../good/model.safetensors"}})
+    )
+    (root / "badindex" / "missing.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {name: "gone.safetensors"}})
+    )
     (root / "badindex" / "broken.safetensors.index.json").write_text("{")
     (root / "empty.safetensors").write_bytes(b"")
     (root / "truncated.safetensors").write_bytes(checkpoint.read_bytes()[:1000])
@@ -499,7 +612,9 @@ def make_fodder(root: Path, model: Path) -> tuple[list[str], list[str]]:
     (root / "list.safetensors").write_bytes(struct.pack("<Q", 2) + b"[]")
     (root / "notensor.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
     (root / "offsets.safetensors").write_bytes(
-        struct.pack("<Q", 60) + json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 9999]}}).encode().ljust(60))
+        struct.pack("<Q", 60)
+        + json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 9999]}}).encode().ljust(60)
+    )
     (root / "pickle").mkdir()
     (root / "pickle" / "pytorch_model.bin").write_bytes(b"\x80\x04K\x01.")
     (root / "emptydir").mkdir()
@@ -517,12 +632,35 @@ def make_fodder(root: Path, model: Path) -> tuple[list[str], list[str]]:
         os.mknod(root / "urandom.safetensors", 0o600 | stat.S_IFCHR, os.makedev(1, 9))
     except PermissionError:
         pass
-    inside = sorted(str(p) for p in root.rglob("*")) + [str(root), f"{root}/", f"{root}/./good", f"{root}/../{root.name}/good"]
-    outside = ["", "/", "good", "./good", "/etc/passwd", "/proc/self/environ", "/dev/zero", "/nonexistent",
-               f"{root}/nope", f"{root}/good/\x00x", "/" + "x" * 5000, f"{root}/" + "ü" * 2100, str(checkpoint),
-               str(root.parent)]
-    good = [f"{root}/good", f"{root}/subset/model.safetensors", f"{root}/index", f"{root}/f16.safetensors",
-            f"{root}/inner.safetensors"]
+    inside = sorted(str(p) for p in root.rglob("*")) + [
+        str(root),
+        f"{root}/",
+        f"{root}/./good",
+        f"{root}/../{root.name}/good",
+    ]
+    outside = [
+        "",
+        "/",
+        "good",
+        "./good",
+        "/etc/passwd",
+        "/proc/self/environ",
+        "/dev/zero",
+        "/nonexistent",
+        f"{root}/nope",
+        f"{root}/good/\x00x",
+        "/" + "x" * 5000,
+        f"{root}/" + "ü" * 2100,
+        str(checkpoint),
+        str(root.parent),
+    ]
+    good = [
+        f"{root}/good",
+        f"{root}/subset/model.safetensors",
+        f"{root}/index",
+        f"{root}/f16.safetensors",
+        f"{root}/inner.safetensors",
+    ]
     return inside + outside, good
 
 
@@ -553,22 +691,28 @@ class Fuzzer:
     counts: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
-        self.channel = grpc.insecure_channel(self.server.grpc_target, options=[
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            # Receive oversize trailers anyway, to measure them (TRAILER_BUDGET) rather than
-            # depend on gRPC's randomised rejection between its soft and hard limits.
-            ("grpc.max_metadata_size", 1 << 20),
-            ("grpc.absolute_max_metadata_size", 1 << 20),
-        ])
+        self.channel = grpc.insecure_channel(
+            self.server.grpc_target,
+            options=[
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                # Receive oversize trailers anyway, to measure them (TRAILER_BUDGET) rather than
+                # depend on gRPC's randomised rejection between its soft and hard limits.
+                ("grpc.max_metadata_size", 1 << 20),
+                ("grpc.absolute_max_metadata_size", 1 << 20),
+            ],
+        )
         self.builder = MessageBuilder(self, HINTS)
         self.tensor_names = sorted(self.tensors)
         # Small tensors (norm weights, 512 bytes) carry the coherent streams: their own values.
         self.small = sorted(k for k, (_, shape, _) in self.tensors.items() if len(shape) == 1)
         self.version = self.get_version()
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        self.limits = self._unary("/enginectl.weights.v1.WeightUpdateService/GetServerInfo",
-                                  upb.GetServerInfoRequest(), upb.GetServerInfoResponse).limits
+        self.limits = self._unary(
+            "/enginectl.weights.v1.WeightUpdateService/GetServerInfo",
+            upb.GetServerInfoRequest(),
+            upb.GetServerInfoResponse,
+        ).limits
         self._too_many: list[Message] | None = None
         assert self.limits.max_timeout.seconds < NEVER_ACCEPTED_S, self.limits
 
@@ -578,25 +722,35 @@ class Fuzzer:
     # --- direct reads, used around every fuzzed call ---
 
     def _unary(self, method: str, request: Message, response_cls: type[Message], timeout: float = 10.0) -> Any:
-        call = self.channel.unary_unary(method, request_serializer=lambda m: m.SerializeToString(),
-                                        response_deserializer=response_cls.FromString)
+        call = self.channel.unary_unary(
+            method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=response_cls.FromString
+        )
         return call(request, timeout=timeout)
 
     def get_version(self) -> wv.WeightVersion:
-        response = self._unary("/enginectl.weights.v1.WeightVersionService/GetWeightVersion",
-                               vpb.GetWeightVersionRequest(), vpb.GetWeightVersionResponse)
+        response = self._unary(
+            "/enginectl.weights.v1.WeightVersionService/GetWeightVersion",
+            vpb.GetWeightVersionRequest(),
+            vpb.GetWeightVersionResponse,
+        )
         return response.weight_version
 
     def health(self) -> int:
         return self.health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
 
     def generation_state(self) -> upb.GenerationState:
-        return self._unary("/enginectl.weights.v1.WeightUpdateService/GetGenerationState",
-                           upb.GetGenerationStateRequest(), upb.GetGenerationStateResponse).state
+        return self._unary(
+            "/enginectl.weights.v1.WeightUpdateService/GetGenerationState",
+            upb.GetGenerationStateRequest(),
+            upb.GetGenerationStateResponse,
+        ).state
 
     def resume(self) -> None:
-        self._unary("/enginectl.weights.v1.WeightUpdateService/ResumeGeneration",
-                    upb.ResumeGenerationRequest(force=True), upb.ResumeGenerationResponse)
+        self._unary(
+            "/enginectl.weights.v1.WeightUpdateService/ResumeGeneration",
+            upb.ResumeGenerationRequest(force=True),
+            upb.ResumeGenerationResponse,
+        )
 
     def harmless(self, message: Message) -> bool:
         """Within the bounds every fuzzed request keeps: each Duration at most 2 s or one no
@@ -610,8 +764,11 @@ class Fuzzer:
                 return False
             if f.type != FieldDescriptor.TYPE_MESSAGE:
                 continue
-            values = list(getattr(message, f.name)) if f.is_repeated else (
-                [getattr(message, f.name)] if message.HasField(f.name) else [])
+            values = (
+                list(getattr(message, f.name))
+                if f.is_repeated
+                else ([getattr(message, f.name)] if message.HasField(f.name) else [])
+            )
             for value in values:
                 if f.message_type.full_name == "google.protobuf.Duration":
                     nanos = value.seconds * 10**9 + value.nanos
@@ -622,15 +779,22 @@ class Fuzzer:
         return True
 
     def newest_operation(self) -> str:
-        listed = self._unary("/google.longrunning.Operations/ListOperations",
-                             operations_pb2.ListOperationsRequest(page_size=1), operations_pb2.ListOperationsResponse)
+        listed = self._unary(
+            "/google.longrunning.Operations/ListOperations",
+            operations_pb2.ListOperationsRequest(page_size=1),
+            operations_pb2.ListOperationsResponse,
+        )
         return listed.operations[0].name if listed.operations else ""
 
     def wait_operation(self, name: str) -> operations_pb2.Operation:
         give_up = time.monotonic() + OPERATION_BUDGET_S
         while True:
-            op = self._unary("/google.longrunning.Operations/WaitOperation",
-                             operations_pb2.WaitOperationRequest(name=name), operations_pb2.Operation, timeout=5.0)
+            op = self._unary(
+                "/google.longrunning.Operations/WaitOperation",
+                operations_pb2.WaitOperationRequest(name=name),
+                operations_pb2.Operation,
+                timeout=5.0,
+            )
             if op.done:
                 return op
             assert time.monotonic() < give_up, f"{name} did not end within {OPERATION_BUDGET_S}s: {op}"
@@ -649,16 +813,23 @@ class Fuzzer:
 
         def spec(name: str, dtype: int | None = None, shape: list[int] | None = None) -> upb.TensorSpec:
             code, real_shape, _ = self.tensors.get(name, ("F32", [1], b""))
-            return upb.TensorSpec(name=name, dtype=DTYPE_CODES[code] if dtype is None else dtype,
-                                  shape=real_shape if shape is None else shape)
+            return upb.TensorSpec(
+                name=name,
+                dtype=DTYPE_CODES[code] if dtype is None else dtype,
+                shape=real_shape if shape is None else shape,
+            )
 
-        real = st.lists(st.sampled_from(self.tensor_names), min_size=1, max_size=4).map(lambda ns: [spec(n) for n in ns])
-        odd = st.tuples(st.sampled_from(self.tensor_names), edge_ints(*INT32),
-                        st.lists(edge_ints(*INT64), max_size=9)).map(lambda t: [spec(t[0], t[1], t[2])])
+        real = st.lists(st.sampled_from(self.tensor_names), min_size=1, max_size=4).map(
+            lambda ns: [spec(n) for n in ns]
+        )
+        odd = st.tuples(
+            st.sampled_from(self.tensor_names), edge_ints(*INT32), st.lists(edge_ints(*INT64), max_size=9)
+        ).map(lambda t: [spec(t[0], t[1], t[2])])
         huge = st.just(None).map(lambda _: self.too_many_tensors())
         # Another model's checkpoint: every name unknown, each refusal listed (BadRequest).
-        foreign = st.integers(90, 300).map(lambda n: [
-            spec(f"model.layers.{i}.mlp.experts.{i % 64}.down_proj.weight_scale_inv") for i in range(n)])
+        foreign = st.integers(90, 300).map(
+            lambda n: [spec(f"model.layers.{i}.mlp.experts.{i % 64}.down_proj.weight_scale_inv") for i in range(n)]
+        )
         return weighted((2, real), (1, odd), (1, huge), (1, foreign), (1, st.just([])))
 
     def too_many_tensors(self) -> list[Message]:
@@ -683,21 +854,39 @@ class Fuzzer:
             names = draw(st.lists(st.sampled_from(self.small), min_size=1, max_size=3, unique=True))
             header = draw(self.builder.message(upb.TensorStreamHeader.DESCRIPTOR))
             del header.tensors[:]
-            header.tensors.extend(upb.TensorSpec(name=n, dtype=DTYPE_CODES[self.tensors[n][0]],
-                                                 shape=self.tensors[n][1]) for n in names)
+            header.tensors.extend(
+                upb.TensorSpec(name=n, dtype=DTYPE_CODES[self.tensors[n][0]], shape=self.tensors[n][1]) for n in names
+            )
             if draw(st.booleans()):  # else the fuzzed one: absent, 1 ns .. 2 s, or refused
                 header.timeout.CopyFrom(duration_pb2.Duration(seconds=2))
             data = b"".join(self.tensors[n][2] for n in names)
             cuts = sorted(set(draw(st.lists(st.integers(1, len(data) - 1), max_size=4))))
-            pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+            pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
             chunks = []
             offset = 0
             for piece in pieces:
-                chunks.append(upb.UpdateWeightsFromTensorsRequest(chunk=upb.TensorStreamChunk(offset=offset, data=piece)))
+                chunks.append(
+                    upb.UpdateWeightsFromTensorsRequest(chunk=upb.TensorStreamChunk(offset=offset, data=piece))
+                )
                 offset += len(piece)
-            mutation = draw(st.sampled_from(["none", "none", "drop_last", "drop_first", "duplicate", "swap",
-                                             "extra_byte", "empty_chunk", "second_header", "bad_offset",
-                                             "oversize", "cancel"]))
+            mutation = draw(
+                st.sampled_from(
+                    [
+                        "none",
+                        "none",
+                        "drop_last",
+                        "drop_first",
+                        "duplicate",
+                        "swap",
+                        "extra_byte",
+                        "empty_chunk",
+                        "second_header",
+                        "bad_offset",
+                        "oversize",
+                        "cancel",
+                    ]
+                )
+            )
             if mutation == "drop_last":
                 chunks.pop()
             elif mutation == "drop_first" and len(chunks) > 1:
@@ -707,11 +896,14 @@ class Fuzzer:
             elif mutation == "swap" and len(chunks) > 1:
                 chunks[0], chunks[1] = chunks[1], chunks[0]
             elif mutation == "extra_byte":
-                chunks.append(upb.UpdateWeightsFromTensorsRequest(
-                    chunk=upb.TensorStreamChunk(offset=len(data), data=b"\x00")))
+                chunks.append(
+                    upb.UpdateWeightsFromTensorsRequest(chunk=upb.TensorStreamChunk(offset=len(data), data=b"\x00"))
+                )
             elif mutation == "empty_chunk":
-                chunks.insert(draw(st.integers(0, len(chunks))), upb.UpdateWeightsFromTensorsRequest(
-                    chunk=upb.TensorStreamChunk(offset=0)))
+                chunks.insert(
+                    draw(st.integers(0, len(chunks))),
+                    upb.UpdateWeightsFromTensorsRequest(chunk=upb.TensorStreamChunk(offset=0)),
+                )
             elif mutation == "second_header":
                 chunks.insert(draw(st.integers(0, len(chunks))), upb.UpdateWeightsFromTensorsRequest(header=header))
             elif mutation == "bad_offset":
@@ -719,8 +911,12 @@ class Fuzzer:
             elif mutation == "cancel":  # the client gives up part-way
                 chunks.insert(draw(st.integers(0, len(chunks))), CANCEL)
             elif mutation == "oversize":
-                chunks.insert(0, upb.UpdateWeightsFromTensorsRequest(
-                    chunk=upb.TensorStreamChunk(offset=0, data=b"\x00" * (4 * 1024 * 1024 + 1))))
+                chunks.insert(
+                    0,
+                    upb.UpdateWeightsFromTensorsRequest(
+                        chunk=upb.TensorStreamChunk(offset=0, data=b"\x00" * (4 * 1024 * 1024 + 1))
+                    ),
+                )
             return [upb.UpdateWeightsFromTensorsRequest(header=header), *chunks]
 
         if descriptor.full_name == upb.UpdateWeightsFromTensorsRequest.DESCRIPTOR.full_name:
@@ -732,16 +928,16 @@ class Fuzzer:
     def call(self, method: _descriptor.MethodDescriptor, request: Any) -> Outcome:
         path = f"/{rpc_name(method)}"
         output = GetMessageClass(method.output_type)
-        kwargs: dict[str, Any] = {"request_serializer": _serialize,
-                                  "response_deserializer": output.FromString}
+        kwargs: dict[str, Any] = {"request_serializer": _serialize, "response_deserializer": output.FromString}
         if method.client_streaming and method.server_streaming:
             raise NotImplementedError("no bidirectional RPC to fuzz yet")
         if method.server_streaming:
             return self._read_stream(self.channel.unary_stream(path, **kwargs), request)
         if method.client_streaming:
             invoke = self.channel.stream_unary(path, **kwargs)
-            return self._unary_outcome(lambda: invoke(_sent(request), timeout=UNARY_DEADLINE_S),
-                                       gave_up=any(m is CANCEL for m in request))
+            return self._unary_outcome(
+                lambda: invoke(_sent(request), timeout=UNARY_DEADLINE_S), gave_up=any(m is CANCEL for m in request)
+            )
         invoke_unary = self.channel.unary_unary(path, **kwargs)
         return self._unary_outcome(lambda: invoke_unary(request, timeout=UNARY_DEADLINE_S))
 
@@ -767,15 +963,19 @@ class Fuzzer:
             outcome = self._error(err)
             outcome.response = received
             return outcome
-        return Outcome(grpc.StatusCode.CANCELLED if len(received) >= STREAM_MAX_MESSAGES else grpc.StatusCode.OK,
-                       received, client_side=len(received) >= STREAM_MAX_MESSAGES)
+        return Outcome(
+            grpc.StatusCode.CANCELLED if len(received) >= STREAM_MAX_MESSAGES else grpc.StatusCode.OK,
+            received,
+            client_side=len(received) >= STREAM_MAX_MESSAGES,
+        )
 
     def _error(self, err: grpc.RpcError) -> Outcome:
         code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
         message: str = err.details() or ""  # type: ignore[attr-defined]
         assert not (code is grpc.StatusCode.RESOURCE_EXHAUSTED and "metadata size" in message), (
             f"the error did not fit in gRPC's trailers ({message!r}): a status must stay well under the "
-            "8 KiB metadata limit, whatever the request held")
+            "8 KiB metadata limit, whatever the request held"
+        )
         try:
             status = rpc_status.from_call(err)  # type: ignore[arg-type]
         except ValueError as exc:
@@ -783,14 +983,16 @@ class Fuzzer:
         if status is None:
             # Only the client's own deadline or cancellation carries no status details.
             assert code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), (
-                f"{code.name} without a google.rpc.Status: {message!r}")
+                f"{code.name} without a google.rpc.Status: {message!r}"
+            )
             return Outcome(code, message=message, client_side=True)
         info = self.check_status(status, code)
         size = _trailer_bytes(status)
         assert size <= TRAILER_BUDGET, (
             f"{code.name} {info.reason}: the status takes {size} bytes of trailers; a default gRPC client "
             f"refuses metadata over 8 KiB (at random from 8 to 16 KiB), so it must stay under {TRAILER_BUDGET} "
-            f"whatever the request held — {message[:200]!r}")
+            f"whatever the request held — {message[:200]!r}"
+        )
         return Outcome(code, reason=info.reason, metadata=dict(info.metadata), message=message)
 
     @staticmethod
@@ -837,7 +1039,8 @@ class Fuzzer:
         if outcome.client_side and outcome.code is grpc.StatusCode.DEADLINE_EXCEEDED:
             assert method.server_streaming, (
                 f"no answer within {UNARY_DEADLINE_S}s ({elapsed:.1f}s): every wait of a unary RPC is bounded by "
-                f"its request (at most 2 s here) — {described}")
+                f"its request (at most 2 s here) — {described}"
+            )
         for message in (m for m in (request if isinstance(request, list) else [request]) if isinstance(m, Message)):
             for rid_field in ("request_id",):
                 rid = _find(message, rid_field)
@@ -867,15 +1070,19 @@ class Fuzzer:
         refused = (outcome.code is not grpc.StatusCode.OK and not outcome.client_side) or bool(op_failed)
         if partial:
             # Rule 6: failed after writing began: undeclared, with last_failure; paused.
-            assert not after.declared and after.last_failure.reason == Reason.PARTIAL_UPDATE, (
-                f"{described}: {after}")
+            assert not after.declared and after.last_failure.reason == Reason.PARTIAL_UPDATE, f"{described}: {after}"
             assert after.revision == before.revision, f"{described}: revision {before.revision} -> {after.revision}"
-        elif replayed or refused or (outcome.client_side and not op_succeeded) or (
-                is_read_only(f"/{rpc_name(method)}") and outcome.code is grpc.StatusCode.OK):
+        elif (
+            replayed
+            or refused
+            or (outcome.client_side and not op_succeeded)
+            or (is_read_only(f"/{rpc_name(method)}") and outcome.code is grpc.StatusCode.OK)
+        ):
             assert after == before, (
                 f"{described}{' (operation: ' + op_failed + ')' if op_failed else ''} changed the WeightVersion:\n"
                 f"before {text_format.MessageToString(before, as_one_line=True)}\n"
-                f"after  {text_format.MessageToString(after, as_one_line=True)}")
+                f"after  {text_format.MessageToString(after, as_one_line=True)}"
+            )
         _check_resource(after, described)
         if op_succeeded and not replayed:
             # Rule 5: the response carries the resource as the update left it.
@@ -895,19 +1102,24 @@ class Fuzzer:
             self._postconditions(method, parsed, outcome, after)
         elif isinstance(request, RawRequest):
             assert (outcome.code, outcome.reason) == (grpc.StatusCode.INVALID_ARGUMENT, Reason.MALFORMED_REQUEST), (
-                f"bytes that do not parse: {described}")
+                f"bytes that do not parse: {described}"
+            )
         if after.etag != before.etag:
             self.seen_etags.append(before.etag)
 
-    def _postconditions(self, method: _descriptor.MethodDescriptor, request: Any, outcome: Outcome,
-                        after: wv.WeightVersion) -> None:
+    def _postconditions(
+        self, method: _descriptor.MethodDescriptor, request: Any, outcome: Outcome, after: wv.WeightVersion
+    ) -> None:
         """What the protos promise about a few fuzzed requests, beyond the error contract."""
         name = method.name
         if outcome.reason == Reason.ETAG_MISMATCH and name == "SetWeightVersion":
             # SetWeightVersion ETAG_MISMATCH: metadata "current_etag", "current_revision" and
             # "incarnation" describe the resource now.
-            want = {"current_etag": after.etag, "current_revision": str(after.revision),
-                    "incarnation": after.incarnation}
+            want = {
+                "current_etag": after.etag,
+                "current_revision": str(after.revision),
+                "incarnation": after.incarnation,
+            }
             got = {k: outcome.metadata.get(k) for k in want}
             assert got == want, f"ETAG_MISMATCH metadata {outcome.metadata}, expected {want}"
         if outcome.code is grpc.StatusCode.OUT_OF_RANGE and name == "WatchWeightVersion":
@@ -919,12 +1131,13 @@ class Fuzzer:
             # PauseGenerationRequest.mode: "Unset (UNSPECIFIED) means KEEP".
             want = request.mode or upb.PAUSE_MODE_KEEP
             assert outcome.response.state.paused and outcome.response.state.mode == want, (
-                f"PauseGeneration(mode={request.mode}) paused with mode {outcome.response.state.mode}, "
-                f"expected {want}")
+                f"PauseGeneration(mode={request.mode}) paused with mode {outcome.response.state.mode}, expected {want}"
+            )
         if name == "InitWeightsUpdateGroup" and request.world_size > 65536 and not outcome.client_side:
             # InitWeightsUpdateGroupRequest.world_size: "at most 65536" (GROUP_SIZE_INVALID).
             assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT, (
-                f"world_size {request.world_size} answered {outcome.code.name} {outcome.reason}")
+                f"world_size {request.world_size} answered {outcome.code.name} {outcome.reason}"
+            )
 
     def _settle(self) -> None:
         """Undo a fuzzed pause, so the next call (and the final generation) starts running."""
@@ -966,12 +1179,14 @@ class RawRequest:
     data: bytes
 
 
-def raw_requests(messages: st.SearchStrategy[Message], descriptor: _descriptor.Descriptor,
-                 fuzzer: Fuzzer) -> st.SearchStrategy[RawRequest]:
+def raw_requests(
+    messages: st.SearchStrategy[Message], descriptor: _descriptor.Descriptor, fuzzer: Fuzzer
+) -> st.SearchStrategy[RawRequest]:
     """Bytes around a serialization. What parses must keep the bounds the builder keeps (a
     cut can drop a required timeout, random bytes can spell a long one or another host)."""
     cut = st.tuples(messages, st.integers(0, 64), st.binary(max_size=8)).map(
-        lambda t: RawRequest(t[0].SerializeToString()[:t[1]] + t[2]))
+        lambda t: RawRequest(t[0].SerializeToString()[: t[1]] + t[2])
+    )
     cls = GetMessageClass(descriptor)
 
     def harmless(raw: RawRequest) -> bool:
@@ -1054,7 +1269,9 @@ def dead_port() -> Iterator[int]:
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, Path]]:
+def fuzz_server(
+    serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServeProcess, Path]]:
     root = tmp_path_factory.mktemp("fuzz-weights")
     srv = ServeProcess(["--enable-scale-out", "--allow-weights-from", str(root)], serve_env).start().wait_ready()
     try:
@@ -1084,13 +1301,16 @@ def test_every_registered_rpc_is_fuzzed(fuzz_server: tuple[ServeProcess, Path]) 
     srv, _ = fuzz_server
     with grpc.insecure_channel(srv.grpc_target) as channel:
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-        answers = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                  timeout=10)
+        answers = reflection.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
         registered = {s.name for a in answers for s in a.list_services_response.service}
-        info = upb.GetServerInfoResponse.FromString(channel.unary_unary(
-            "/enginectl.weights.v1.WeightUpdateService/GetServerInfo",
-            request_serializer=lambda m: m.SerializeToString(),
-        )(upb.GetServerInfoRequest(), timeout=10))
+        info = upb.GetServerInfoResponse.FromString(
+            channel.unary_unary(
+                "/enginectl.weights.v1.WeightUpdateService/GetServerInfo",
+                request_serializer=lambda m: m.SerializeToString(),
+            )(upb.GetServerInfoRequest(), timeout=10)
+        )
     ours = registered - {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
     assert ours == {s.full_name for s in SERVICES}
     assert set(info.supported_rpcs) <= {rpc_name(m) for m in METHODS}
@@ -1100,8 +1320,14 @@ def test_every_registered_rpc_is_fuzzed(fuzz_server: tuple[ServeProcess, Path]) 
 def test_fuzz_rpc(fuzzer: Fuzzer, method: _descriptor.MethodDescriptor) -> None:
     """Fuzzed requests to one RPC: every outcome keeps the error contract and the state rules."""
 
-    @settings(max_examples=EXAMPLES.get(method.name, DEFAULT_EXAMPLES), deadline=None, derandomize=True,
-              database=None, suppress_health_check=list(HealthCheck), print_blob=False)
+    @settings(
+        max_examples=EXAMPLES.get(method.name, DEFAULT_EXAMPLES),
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
     @given(data=st.data())
     def fuzz(data: st.DataObject) -> None:
         request = data.draw(fuzzer.request(method), label="request")
@@ -1120,8 +1346,11 @@ def test_engine_still_serves_after_fuzzing(fuzzer: Fuzzer) -> None:
     assert fuzzer.health() == health_pb2.HealthCheckResponse.SERVING
     assert not fuzzer.generation_state().paused
     body = json.dumps({"token_ids": [1, 43, 375, 82], "sampling_params": {"max_tokens": 6, "temperature": 0.0}})
-    request = urllib.request.Request(f"{fuzzer.server.http_url}/inference/v1/generate", data=body.encode(),
-                                     headers={"content-type": "application/json"})
+    request = urllib.request.Request(
+        f"{fuzzer.server.http_url}/inference/v1/generate",
+        data=body.encode(),
+        headers={"content-type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         out = json.load(response)
     assert len(out["choices"][0]["token_ids"]) > 0

@@ -15,7 +15,7 @@ from cryptography.x509.oid import NameOID
 
 from enginectl.client import AsyncClient, EnginectlError, UnavailableError
 from enginectl.server.grpc_server import ControlPlaneServer, TlsConfig
-from enginectl.server.ledger import WeightVersionLedger
+from enginectl.server.weights.ledger import WeightVersionLedger
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,20 @@ def _key() -> ec.EllipticCurvePrivateKey:
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
-def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Certificate | None,
-          issuer_key: ec.EllipticCurvePrivateKey, *, ca: bool = False, server: bool = False) -> x509.Certificate:
+def _cert(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: x509.Certificate | None,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    *,
+    ca: bool = False,
+    server: bool = False,
+) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     builder = (
@@ -100,6 +109,12 @@ async def test_mtls_requires_a_client_certificate(mtls_server: str, pki: Pki) ->
     async with AsyncClient(mtls_server, tls=True, root_certificates=pki.ca, timeout=5) as anonymous:
         with pytest.raises(EnginectlError):
             await anonymous.get_weight_version()
-    async with AsyncClient(mtls_server, tls=True, root_certificates=pki.ca, client_certificate=pki.client_cert,
-                           client_key=pki.client_key, timeout=10) as c:
+    async with AsyncClient(
+        mtls_server,
+        tls=True,
+        root_certificates=pki.ca,
+        client_certificate=pki.client_cert,
+        client_key=pki.client_key,
+        timeout=10,
+    ) as c:
         assert (await c.get_weight_version()).declared is False

@@ -79,8 +79,14 @@ def guarded(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(sock_path))
     listener.listen(1)
-    srv = ServeProcess(["--token-file", str(token_file), "--allow-weights-from", str(root),
-                        "--allow-weights-from", "/dev"], serve_env).start().wait_ready()
+    srv = (
+        ServeProcess(
+            ["--token-file", str(token_file), "--allow-weights-from", str(root), "--allow-weights-from", "/dev"],
+            serve_env,
+        )
+        .start()
+        .wait_ready()
+    )
     try:
         yield Guarded(srv, root.resolve())
     finally:
@@ -99,6 +105,7 @@ def _info(target: str, metadata: tuple[tuple[str, str], ...] = ()) -> upb.GetSer
 
 
 # --- GetServerInfo.allowed_weight_roots: the token's holder only ---------------------------------
+
 
 def test_allowed_weight_roots_are_listed_only_to_the_tokens_holder(guarded: Guarded) -> None:
     target = guarded.server.grpc_target
@@ -121,6 +128,7 @@ def test_server_without_token_lists_its_roots_to_everyone(server: ServeProcess) 
 
 # --- disk updates: FIFOs, sockets and devices are refused from their stat -----------------------
 
+
 class _Refusal:
     def __init__(self, err: EnginectlError, elapsed: float) -> None:
         self.err, self.elapsed = err, elapsed
@@ -131,8 +139,9 @@ def _disk_update(target: str, path: str) -> _Refusal:
         stub = upb_grpc.WeightUpdateServiceStub(channel)
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as raised:
-            stub.UpdateWeightsFromDisk(upb.UpdateWeightsFromDiskRequest(path=path, weight_version="special"),
-                                       metadata=AUTH, timeout=PROMPT_S)
+            stub.UpdateWeightsFromDisk(
+                upb.UpdateWeightsFromDiskRequest(path=path, weight_version="special"), metadata=AUTH, timeout=PROMPT_S
+            )
         return _Refusal(from_rpc_error(raised.value), time.monotonic() - started)
 
 
@@ -167,14 +176,18 @@ def test_disk_update_refuses_a_special_file_at_once(case: str, guarded: Guarded)
         assert [v.field for v in err.field_violations] == ["path"]
         # Nothing changed, and the server still answers.
         assert len(ops.ListOperations(operations_pb2.ListOperationsRequest(), metadata=AUTH).operations) == ops_before
-        state = upb_grpc.WeightUpdateServiceStub(channel).GetGenerationState(
-            upb.GetGenerationStateRequest(), timeout=PROMPT_S).state
+        state = (
+            upb_grpc.WeightUpdateServiceStub(channel)
+            .GetGenerationState(upb.GetGenerationStateRequest(), timeout=PROMPT_S)
+            .state
+        )
         assert not state.paused and not state.update_operation
     with Client(target, token=TOKEN) as client:
         assert client.get_weight_version() == before
 
 
 # --- ETAG_MISMATCH names the current etag ---------------------------------------------------------
+
 
 @pytest.fixture
 async def client(server: ServeProcess) -> AsyncIterator[AsyncClient]:
@@ -205,7 +218,8 @@ def test_update_refused_for_its_etag_carries_the_current_etag(server: ServeProce
         with pytest.raises(grpc.RpcError) as raised:
             upb_grpc.WeightUpdateServiceStub(channel).UpdateWeightsFromDisk(
                 upb.UpdateWeightsFromDiskRequest(path="/nonexistent", weight_version="x", etag="0" * 20),
-                timeout=PROMPT_S)
+                timeout=PROMPT_S,
+            )
         err = from_rpc_error(raised.value)
         assert isinstance(err, AbortedError) and err.reason == Reason.ETAG_MISMATCH
         assert err.current_etag == before.etag
@@ -213,6 +227,7 @@ def test_update_refused_for_its_etag_carries_the_current_etag(server: ServeProce
 
 
 # --- WatchWeightVersion resumes only within its incarnation --------------------------------------
+
 
 async def _first(watch: AsyncIterator[WeightVersion]) -> WeightVersion:
     return await asyncio.wait_for(watch.__anext__(), STREAM_S)
@@ -241,8 +256,7 @@ async def test_watch_resumes_only_within_its_incarnation(guarded: Guarded, clien
         declared = await client.set_weight_version(f"resumed-{uuid.uuid4().hex[:6]}")
         watch = client.watch_weight_version(since_revision=now.revision, incarnation=incarnation)
         seen = await _first(watch)
-        assert (seen.version, seen.revision, seen.incarnation) == (
-            declared.version, now.revision + 1, now.incarnation)
+        assert (seen.version, seen.revision, seen.incarnation) == (declared.version, now.revision + 1, now.incarnation)
         await watch.aclose()  # type: ignore[attr-defined]
         now = declared
 
@@ -284,8 +298,9 @@ def test_every_update_request_refuses_a_version_with_control_characters(server: 
     spec = upb.TensorSpec(name="model.embed_tokens.weight", dtype=upb.TENSOR_DTYPE_FLOAT32, shape=[1])
     requests = {
         "disk": upb.UpdateWeightsFromDiskRequest(path="/nonexistent", weight_version="v\n1"),
-        "distributed": upb.UpdateWeightsFromDistributedRequest(group_name="g", tensors=[spec],
-                                                               weight_version="v\x1b[31m"),
+        "distributed": upb.UpdateWeightsFromDistributedRequest(
+            group_name="g", tensors=[spec], weight_version="v\x1b[31m"
+        ),
         "tensors": upb.TensorStreamHeader(tensors=[spec], weight_version="v\x00"),
     }
     with grpc.insecure_channel(server.grpc_target) as channel:
@@ -302,7 +317,8 @@ def test_every_update_request_refuses_a_version_with_control_characters(server: 
                     updates.UpdateWeightsFromDistributed(request, timeout=PROMPT_S)
                 else:
                     updates.UpdateWeightsFromTensors(
-                        iter([upb.UpdateWeightsFromTensorsRequest(header=request)]), timeout=PROMPT_S)
+                        iter([upb.UpdateWeightsFromTensorsRequest(header=request)]), timeout=PROMPT_S
+                    )
             err = from_rpc_error(raised.value)
             assert (err.code, err.reason) == (grpc.StatusCode.INVALID_ARGUMENT, Reason.VERSION_INVALID), kind
             assert [v.field for v in err.field_violations] == ["weight_version"], kind
@@ -312,21 +328,43 @@ def test_every_update_request_refuses_a_version_with_control_characters(server: 
 
 # --- the bounds table ----------------------------------------------------------------------------
 
+
 def test_server_info_reports_the_bounds_table_and_the_documented_defaults(server: ServeProcess) -> None:
     reported = _info(server.grpc_target).limits
-    assert (reported.max_version_bytes, reported.max_path_bytes, reported.max_group_name_bytes,
-            reported.max_tensor_name_bytes, reported.max_tensors_per_update, reported.max_shape_rank,
-            reported.max_tensor_elements, reported.max_chunk_bytes, reported.max_request_bytes,
-            reported.max_update_groups, reported.max_retained_operations) == (
-        limits.MAX_VERSION_BYTES, limits.MAX_PATH_BYTES, limits.MAX_GROUP_NAME_BYTES,
-        limits.MAX_TENSOR_NAME_BYTES, limits.MAX_TENSORS, limits.MAX_SHAPE_RANK,
-        limits.MAX_TENSOR_ELEMENTS, limits.MAX_CHUNK_BYTES, limits.MAX_MESSAGE_BYTES,
-        limits.MAX_GROUPS, limits.MAX_RETAINED)
+    assert (
+        reported.max_version_bytes,
+        reported.max_path_bytes,
+        reported.max_group_name_bytes,
+        reported.max_tensor_name_bytes,
+        reported.max_tensors_per_update,
+        reported.max_shape_rank,
+        reported.max_tensor_elements,
+        reported.max_chunk_bytes,
+        reported.max_request_bytes,
+        reported.max_update_groups,
+        reported.max_retained_operations,
+    ) == (
+        limits.MAX_VERSION_BYTES,
+        limits.MAX_PATH_BYTES,
+        limits.MAX_GROUP_NAME_BYTES,
+        limits.MAX_TENSOR_NAME_BYTES,
+        limits.MAX_TENSORS,
+        limits.MAX_SHAPE_RANK,
+        limits.MAX_TENSOR_ELEMENTS,
+        limits.MAX_CHUNK_BYTES,
+        limits.MAX_MESSAGE_BYTES,
+        limits.MAX_GROUPS,
+        limits.MAX_RETAINED,
+    )
     assert reported.default_timeout.seconds == limits.DEFAULT_TIMEOUT_S
     assert reported.max_timeout.seconds == limits.MAX_TIMEOUT_S
     # The defaults ServerLimits documents (weight_update_service.proto).
-    assert (reported.max_tensors_per_update, reported.max_update_groups, reported.max_timeout.seconds,
-            reported.default_timeout.seconds) == (262_144, 8, 24 * 3600, 600)
+    assert (
+        reported.max_tensors_per_update,
+        reported.max_update_groups,
+        reported.max_timeout.seconds,
+        reported.default_timeout.seconds,
+    ) == (262_144, 8, 24 * 3600, 600)
 
 
 async def test_request_id_is_bounded_even_when_it_parses_as_a_uuid(client: AsyncClient) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from enginectl.client.errors import Reason
 from enginectl.server.errors import ControlPlaneError
-from enginectl.server.ledger import Failure, LedgerClosed, WeightSource, WeightVersionLedger
+from enginectl.server.weights.ledger import Failure, LedgerClosed, WeightSource, WeightVersionLedger
 
 
 async def test_never_declared_then_placeholder_names_are_ordinary_versions() -> None:
@@ -174,7 +174,7 @@ async def test_close_ends_watchers() -> None:
 
 
 async def test_update_records_through_the_write_lock_and_a_failure_leaves_no_label() -> None:
-    from enginectl.server.ledger import Failure, Fingerprint
+    from enginectl.server.weights.ledger import Failure, Fingerprint
 
     published: list[str] = []
 
@@ -188,8 +188,14 @@ async def test_update_records_through_the_write_lock_and_a_failure_leaves_no_lab
     assert (state.declared, state.version, state.revision, state.source) == (True, "step-1", 1, WeightSource.DISK)
     assert state.fingerprint == fingerprint and published == ["step-1"]
 
-    failure = Failure(reason=Reason.PARTIAL_UPDATE, cause="STREAM_BROKEN", message="trainer died", time=1.0,
-                      attempted_version="step-2", operation="operations/x")
+    failure = Failure(
+        reason=Reason.PARTIAL_UPDATE,
+        cause="STREAM_BROKEN",
+        message="trainer died",
+        time=1.0,
+        attempted_version="step-2",
+        operation="operations/x",
+    )
     async with ledger.writing():
         failed = ledger.record_failure(failure)
     assert (failed.declared, failed.version, failed.fingerprint) == (False, None, None)
@@ -205,8 +211,14 @@ async def test_update_records_through_the_write_lock_and_a_failure_leaves_no_lab
 
 async def test_no_declaration_over_mixed_weights_until_an_update_succeeds() -> None:
     ledger = WeightVersionLedger()
-    failure = Failure(reason=Reason.PARTIAL_UPDATE, cause="STREAM_BROKEN", message="trainer died", time=1.0,
-                      attempted_version="step-2", operation="operations/x")
+    failure = Failure(
+        reason=Reason.PARTIAL_UPDATE,
+        cause="STREAM_BROKEN",
+        message="trainer died",
+        time=1.0,
+        attempted_version="step-2",
+        operation="operations/x",
+    )
     async with ledger.writing():
         failed = ledger.record_failure(failure)
     with pytest.raises(ControlPlaneError) as err:

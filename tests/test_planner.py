@@ -1,7 +1,7 @@
 """Planner consumer against a fleet of two real `enginectl serve` processes.
 
-Server A starts with `--worker-id planner-a`. Server B starts without a worker id, so its
-EngineCore publishes under "" (the late-start bug of DESIGN §1.3): the planner must report
+Server A starts with `--worker-id planner-a`. Server B starts without a worker id (its identity
+is assigned after the engine started), so its EngineCore publishes under "": the planner must report
 WORKER_COUNT_MISMATCH and count B's unattributed samples, then OK once SetWorkerIdentity
 gave B its id, then STALE once B is terminated. Both servers send heartbeats every 0.2 s, so
 a live rank is always fresh. The resume test breaks the planner's connection for real with
@@ -65,8 +65,11 @@ async def test_planner_sees_unattributed_then_ok_after_identity_sync_then_stale(
     a, b = fleet
     # 1. B publishes under "": one expected worker is missing, and B's samples are counted.
     assert await planner.wait_for(
-        lambda p: verdict_is(Verdict.WORKER_COUNT_MISMATCH)(p)
-        and p.reconcile(WORKERS, 1).unattributed.get(b.grpc_target, 0) > 0, 60
+        lambda p: (
+            verdict_is(Verdict.WORKER_COUNT_MISMATCH)(p)
+            and p.reconcile(WORKERS, 1).unattributed.get(b.grpc_target, 0) > 0
+        ),
+        60,
     ), planner.reconcile(WORKERS, 1)
     mismatch = planner.reconcile(WORKERS, 1)
     assert mismatch.workers == {"planner-a": (0,)}
@@ -111,7 +114,8 @@ async def test_planner_sees_unattributed_then_ok_after_identity_sync_then_stale(
 
 
 async def test_planner_resumes_after_a_broken_connection_without_loss_or_duplicates(
-    fleet: tuple[ServeProcess, ServeProcess], server: ServeProcess,
+    fleet: tuple[ServeProcess, ServeProcess],
+    server: ServeProcess,
 ) -> None:
     """Then sees a restart: `server` (the session's) stands in for A restarted."""
     a, _ = fleet
@@ -149,7 +153,8 @@ async def test_planner_resumes_after_a_broken_connection_without_loss_or_duplica
             proxy.upstream = other.grpc_target
             proxy.cut()
             assert await planner.wait_for(
-                lambda p: status.incarnation == other.serving["incarnation"] and status.connected, 60)
+                lambda p: status.incarnation == other.serving["incarnation"] and status.connected, 60
+            )
             assert status.restarts == 1 and status.resyncs == 1
             assert status.last_error is not None and status.last_error.reason == Reason.INCARNATION_CHANGED
             assert all(r.worker_id != "planner-a" for r in planner.fleet.latest())

@@ -19,11 +19,24 @@ class Clock:
 
 def sample(worker_id: str, dp_rank: int = 0, sequence: int = 1) -> FpmSample:
     return FpmSample(
-        worker_id=worker_id, dp_rank=dp_rank, counter_id=sequence, identity_generation=1,
-        incarnation="inc", emit_time=None, wall_time=0.0, idle=True, kind=SampleKind.HEARTBEAT,
-        scheduled=ScheduledRequests(0, 0, 0.0, 0, 0, 0, 0.0), queued=QueuedRequests(0, 0, 0.0, 0, 0, 0.0),
-        kv_cache_usage=0.0, num_running=0, num_waiting=0, dropped_since_last=0, sequence=sequence,
-        weight_revision=0, schema_version=1,
+        worker_id=worker_id,
+        dp_rank=dp_rank,
+        counter_id=sequence,
+        identity_generation=1,
+        incarnation="inc",
+        emit_time=None,
+        wall_time=0.0,
+        idle=True,
+        kind=SampleKind.HEARTBEAT,
+        scheduled=ScheduledRequests(0, 0, 0.0, 0, 0, 0, 0.0),
+        queued=QueuedRequests(0, 0, 0.0, 0, 0, 0.0),
+        kv_cache_usage=0.0,
+        num_running=0,
+        num_waiting=0,
+        dropped_since_last=0,
+        sequence=sequence,
+        weight_revision=0,
+        schema_version=1,
     )
 
 

@@ -39,8 +39,14 @@ def blackbox(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
     srv.kill()
 
 
-def grpcurl(target: str, *args: str, data: dict | None = None, token: str | None = None,
-            flags: tuple[str, ...] = (), timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def grpcurl(
+    target: str,
+    *args: str,
+    data: dict | None = None,
+    token: str | None = None,
+    flags: tuple[str, ...] = (),
+    timeout: float = 60,
+) -> subprocess.CompletedProcess[str]:
     cmd = [str(BIN / "grpcurl"), "-plaintext", "-max-time", str(int(timeout)), *flags]
     if token:
         cmd += ["-H", f"authorization: Bearer {token}"]
@@ -126,8 +132,9 @@ def test_etag_from_another_incarnation_is_refused(blackbox: ServeProcess, server
     other = grpcurl_json(server.grpc_target, f"{WV}/GetWeightVersion", flags=("-emit-defaults",))["weight_version"]
     mine = grpcurl_json(blackbox.grpc_target, f"{WV}/GetWeightVersion", flags=("-emit-defaults",))["weight_version"]
     assert other["incarnation"] != mine["incarnation"]
-    result = grpcurl(blackbox.grpc_target, f"{WV}/SetWeightVersion",
-                     data={"version": "cross", "etag": other["etag"]}, token=TOKEN)
+    result = grpcurl(
+        blackbox.grpc_target, f"{WV}/SetWeightVersion", data={"version": "cross", "etag": other["etag"]}, token=TOKEN
+    )
     assert "Code: Aborted" in result.stderr
     assert '"reason":"ETAG_MISMATCH"' in result.stderr.replace(" ", "")
     after = grpcurl_json(blackbox.grpc_target, f"{WV}/GetWeightVersion", flags=("-emit-defaults",))["weight_version"]
@@ -135,18 +142,35 @@ def test_etag_from_another_incarnation_is_refused(blackbox: ServeProcess, server
 
 
 def test_mutations_and_failures_are_logged_with_request_id_code_and_duration(blackbox: ServeProcess) -> None:
-    ok = grpcurl(blackbox.grpc_target, f"{WV}/SetWeightVersion", data={"version": "logged"}, token=TOKEN,
-                 flags=("-H", "x-request-id: req-ok-1"))
+    ok = grpcurl(
+        blackbox.grpc_target,
+        f"{WV}/SetWeightVersion",
+        data={"version": "logged"},
+        token=TOKEN,
+        flags=("-H", "x-request-id: req-ok-1"),
+    )
     assert ok.returncode == 0, ok.stderr
-    bad = grpcurl(blackbox.grpc_target, f"{WV}/SetWeightVersion", data={"version": ""}, token=TOKEN,
-                  flags=("-H", "x-request-id: req-bad-1"))
+    bad = grpcurl(
+        blackbox.grpc_target,
+        f"{WV}/SetWeightVersion",
+        data={"version": ""},
+        token=TOKEN,
+        flags=("-H", "x-request-id: req-bad-1"),
+    )
     assert bad.returncode != 0
-    refused = grpcurl(blackbox.grpc_target, f"{WV}/SetWeightVersion", data={"version": "x"},
-                      flags=("-H", "x-request-id: req-noauth-1"))
+    refused = grpcurl(
+        blackbox.grpc_target,
+        f"{WV}/SetWeightVersion",
+        data={"version": "x"},
+        flags=("-H", "x-request-id: req-noauth-1"),
+    )
     assert refused.returncode != 0
-    for request_id, code in (("req-ok-1", "OK"), ("req-bad-1", "INVALID_ARGUMENT"),
-                             ("req-noauth-1", "UNAUTHENTICATED")):
-        event = blackbox.wait_for_event(lambda e: e.get("request_id") == request_id)
+    for request_id, code in (
+        ("req-ok-1", "OK"),
+        ("req-bad-1", "INVALID_ARGUMENT"),
+        ("req-noauth-1", "UNAUTHENTICATED"),
+    ):
+        event = blackbox.wait_for_event(lambda e, request_id=request_id: e.get("request_id") == request_id)
         assert event["event"] == "rpc"
         assert event["rpc"] == f"/{WV}/SetWeightVersion"
         assert event["code"] == code
@@ -161,10 +185,10 @@ def test_server_info_over_grpcurl_says_auth_is_required(blackbox: ServeProcess) 
 
 
 def test_colocated_http_api_generates(blackbox: ServeProcess) -> None:
-    body = json.dumps({"model": blackbox.model, "prompt": "Hello world", "max_tokens": 8,
-                       "temperature": 0}).encode()
-    request = urllib.request.Request(f"{blackbox.http_url}/v1/completions", data=body,
-                                     headers={"content-type": "application/json"})
+    body = json.dumps({"model": blackbox.model, "prompt": "Hello world", "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(
+        f"{blackbox.http_url}/v1/completions", data=body, headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         out = json.load(response)
     assert out["usage"]["completion_tokens"] == 8
@@ -178,11 +202,15 @@ def test_sigterm_ends_streams_and_exits_zero_leaving_no_child(blackbox: ServePro
     assert children, "the engine runs in child processes"
     watch = subprocess.Popen(
         [str(BIN / "grpcurl"), "-plaintext", "-max-time", "120", blackbox.grpc_target, f"{WV}/WatchWeightVersion"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     health = subprocess.Popen(
         [str(BIN / "grpcurl"), "-plaintext", "-max-time", "120", blackbox.grpc_target, "grpc.health.v1.Health/Watch"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert watch.stdout is not None and health.stdout is not None
     assert watch.stdout.readline().startswith("{")  # the current state: the stream is live

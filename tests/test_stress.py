@@ -40,10 +40,10 @@ PROMPTS = [[_rng.randrange(5, 400) for _ in range(_rng.choice([3, 9, 33, 80, 150
 
 
 def generate(server: ServeProcess, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    body = json.dumps({"token_ids": prompt,
-                       "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0}}).encode()
-    request = urllib.request.Request(f"{server.http_url}/inference/v1/generate", data=body,
-                                     headers={"content-type": "application/json"})
+    body = json.dumps({"token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0}}).encode()
+    request = urllib.request.Request(
+        f"{server.http_url}/inference/v1/generate", data=body, headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         return dict(json.load(response)["choices"][0])
 
@@ -55,7 +55,9 @@ def client(weights_server: ServeProcess) -> Iterator[TrainerClient]:
 
 
 @pytest.fixture(scope="module")
-def reference(client: TrainerClient, checkpoints: Checkpoints, weights_server: ServeProcess) -> dict[str, list[list[int]]]:
+def reference(
+    client: TrainerClient, checkpoints: Checkpoints, weights_server: ServeProcess
+) -> dict[str, list[list[int]]]:
     """Each prompt's tokens under A and under B, generated one at a time; ends on A."""
     out: dict[str, list[list[int]]] = {}
     for which in ("B", "A"):
@@ -91,12 +93,15 @@ def _checked_tokens(choice: dict[str, Any], reference: dict[str, list[list[int]]
         end = segment["end"]
     tokens = choice["token_ids"]
     assert tokens[:end] == reference[which][index][:end], (
-        f"prompt {index} under {which} ({segments}): got {tokens}, expected {reference[which][index]}")
+        f"prompt {index} under {which} ({segments}): got {tokens}, expected {reference[which][index]}"
+    )
     return end
 
 
 def test_control_calls_during_rollouts_never_corrupt_the_engine(
-    client: TrainerClient, checkpoints: Checkpoints, weights_server: ServeProcess,
+    client: TrainerClient,
+    checkpoints: Checkpoints,
+    weights_server: ServeProcess,
     reference: dict[str, list[list[int]]],
 ) -> None:
     stop = threading.Event()

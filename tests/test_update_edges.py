@@ -73,10 +73,15 @@ def back_to_a(client: TrainerClient, checkpoints: Checkpoints) -> Iterator[None]
 
 
 def _generation(server: ServeProcess, out: dict[str, Any]) -> None:
-    body = json.dumps({"token_ids": [11, 12, 13, 14], "sampling_params": {
-        "max_tokens": ROLLOUT_TOKENS, "temperature": 0.0, "ignore_eos": True}}).encode()
-    request = urllib.request.Request(f"{server.http_url}/inference/v1/generate", data=body,
-                                     headers={"content-type": "application/json"})
+    body = json.dumps(
+        {
+            "token_ids": [11, 12, 13, 14],
+            "sampling_params": {"max_tokens": ROLLOUT_TOKENS, "temperature": 0.0, "ignore_eos": True},
+        }
+    ).encode()
+    request = urllib.request.Request(
+        f"{server.http_url}/inference/v1/generate", data=body, headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=300) as response:
         out.update(json.load(response)["choices"][0])
 
@@ -104,8 +109,14 @@ def test_pause_without_a_mode_keeps_in_flight_requests(stubs: Stubs, weights_ser
 def test_impossible_world_size_is_refused_before_any_rendezvous(stubs: Stubs) -> None:
     before = stubs.versions.GetWeightVersion(vpb.GetWeightVersionRequest()).weight_version
     request = upb.InitWeightsUpdateGroupRequest(
-        group_name="huge", master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=100_000,
-        backend=upb.GROUP_BACKEND_GLOO, timeout=_seconds(30))
+        group_name="huge",
+        master_address="127.0.0.1",
+        master_port=1,
+        rank_offset=1,
+        world_size=100_000,
+        backend=upb.GROUP_BACKEND_GLOO,
+        timeout=_seconds(30),
+    )
     with pytest.raises(grpc.RpcError) as err:
         stubs.updates.InitWeightsUpdateGroup(request, timeout=3)  # a rendezvous would outlast this
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -118,22 +129,33 @@ def _spec(name: str, tensor: Any) -> upb.TensorSpec:
 
 
 def test_broadcast_that_never_comes_times_out_and_destroys_the_group(
-    stubs: Stubs, client: TrainerClient, checkpoints: Checkpoints, back_to_a: None,
+    stubs: Stubs,
+    client: TrainerClient,
+    checkpoints: Checkpoints,
+    back_to_a: None,
 ) -> None:
     before = stubs.versions.GetWeightVersion(vpb.GetWeightVersionRequest()).weight_version
     name, tensor = next(iter(checkpoints.state_dict("B").items()))
     group = client.init_weights_update_group("silent-trainer", timeout=30.0)
     try:
-        op = stubs.updates.UpdateWeightsFromDistributed(upb.UpdateWeightsFromDistributedRequest(
-            group_name=group.group_name, tensors=[_spec(name, tensor)], weight_version="never",
-            timeout=_seconds(2.0)), timeout=30)
-        done = stubs.ops.WaitOperation(operations_pb2.WaitOperationRequest(name=op.name, timeout=_seconds(WAIT_S)),
-                                       timeout=WAIT_S + 5)
+        op = stubs.updates.UpdateWeightsFromDistributed(
+            upb.UpdateWeightsFromDistributedRequest(
+                group_name=group.group_name,
+                tensors=[_spec(name, tensor)],
+                weight_version="never",
+                timeout=_seconds(2.0),
+            ),
+            timeout=30,
+        )
+        done = stubs.ops.WaitOperation(
+            operations_pb2.WaitOperationRequest(name=op.name, timeout=_seconds(WAIT_S)), timeout=WAIT_S + 5
+        )
         assert done.done and done.WhichOneof("result") == "error", done
         assert done.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
         with pytest.raises(grpc.RpcError) as err:
             stubs.updates.DestroyWeightsUpdateGroup(
-                upb.DestroyWeightsUpdateGroupRequest(group_name=group.group_name), timeout=30)
+                upb.DestroyWeightsUpdateGroupRequest(group_name=group.group_name), timeout=30
+            )
         assert err.value.code() == grpc.StatusCode.NOT_FOUND  # a timed-out collective is not reused
         assert error_info(err.value).reason == "GROUP_NOT_FOUND"
     finally:
@@ -141,32 +163,39 @@ def test_broadcast_that_never_comes_times_out_and_destroys_the_group(
     from google.rpc import error_details_pb2, status_pb2
 
     status = status_pb2.Status(code=done.error.code, message=done.error.message, details=list(done.error.details))
-    reasons = [error_details_pb2.ErrorInfo.FromString(d.value).reason for d in status.details
-               if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
+    reasons = [
+        error_details_pb2.ErrorInfo.FromString(d.value).reason
+        for d in status.details
+        if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)
+    ]
     assert reasons == ["GROUP_TIMEOUT"], status
     assert stubs.versions.GetWeightVersion(vpb.GetWeightVersionRequest()).weight_version == before
     assert not stubs.state().paused  # nothing was written: the update resumed generation
 
 
 def test_stream_progress_follows_the_loaded_tensors_while_the_sender_stalls(
-    stubs: Stubs, checkpoints: Checkpoints, back_to_a: None,
+    stubs: Stubs,
+    checkpoints: Checkpoints,
+    back_to_a: None,
 ) -> None:
     tensors = list(checkpoints.state_dict("B").items())
     first = 6  # tensors sent before the sender stalls
-    header = upb.TensorStreamHeader(tensors=[_spec(n, t) for n, t in tensors], weight_version="stalled",
-                                    timeout=_seconds(120))
+    header = upb.TensorStreamHeader(
+        tensors=[_spec(n, t) for n, t in tensors], weight_version="stalled", timeout=_seconds(120)
+    )
     payload = b"".join(t.contiguous().numpy().tobytes() for _, t in tensors[:first])
     release = threading.Event()
 
     def messages() -> Iterator[upb.UpdateWeightsFromTensorsRequest]:
         yield upb.UpdateWeightsFromTensorsRequest(header=header)
         for offset in range(0, len(payload), 1 << 20):
-            chunk = payload[offset:offset + (1 << 20)]
+            chunk = payload[offset : offset + (1 << 20)]
             yield upb.UpdateWeightsFromTensorsRequest(chunk=upb.TensorStreamChunk(offset=offset, data=chunk))
         release.wait(WAIT_S)  # the sender stalls, the stream stays open
 
     call = stubs.updates.UpdateWeightsFromTensors.future(messages(), timeout=WAIT_S * 2)
     try:
+
         def progressed() -> operations_pb2.Operation | None:
             ops = stubs.ops.ListOperations(operations_pb2.ListOperationsRequest(name="operations"), timeout=30)
             for op in ops.operations:

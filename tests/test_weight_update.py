@@ -8,6 +8,7 @@ Every test leaves the shared `weights_server` serving checkpoint A, resumed (fix
 
 from __future__ import annotations
 
+# ruff: noqa: F811 (pytest fixtures imported from weights_fixtures are parameters here)
 import json
 import pickle
 import shutil
@@ -21,34 +22,20 @@ from typing import Any
 
 import grpc
 import pytest
-from google.longrunning import operations_pb2, operations_pb2_grpc
+from google.longrunning import operations_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from serving import BIN, ServeProcess
-from weights_fixtures import Checkpoints, checkpoints, greedy_tokens, weights_server  # noqa: F401
+from weights_fixtures import Checkpoints, WeightStubs, checkpoints, greedy_tokens, weights_server  # noqa: F401
 
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
-from enginectl.weights.v1 import weight_update_service_pb2_grpc as upb_grpc
 from enginectl.weights.v1 import weight_version_pb2 as wv
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
-from enginectl.weights.v1 import weight_version_service_pb2_grpc as vpb_grpc
 
 LONG_PROMPT = list(range(3, 3 + 200))  # fills a 128-token KV block (CPU block size): prefix-cached
 
 
-class Stubs:
-    def __init__(self, server: ServeProcess) -> None:
-        self.channel = grpc.insecure_channel(server.grpc_target)
-        self.updates = upb_grpc.WeightUpdateServiceStub(self.channel)
-        self.versions = vpb_grpc.WeightVersionServiceStub(self.channel)
-        self.ops = operations_pb2_grpc.OperationsStub(self.channel)
-
-    def version(self) -> wv.WeightVersion:
-        return self.versions.GetWeightVersion(vpb.GetWeightVersionRequest()).weight_version
-
-    def state(self) -> upb.GenerationState:
-        return self.updates.GetGenerationState(upb.GetGenerationStateRequest()).state
-
+class Stubs(WeightStubs):
     def wait(self, op: operations_pb2.Operation, timeout: float = 120.0) -> operations_pb2.Operation:
         done = self.ops.WaitOperation(operations_pb2.WaitOperationRequest(name=op.name), timeout=timeout)
         assert done.done, done
@@ -106,8 +93,9 @@ def back_to_a(stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int]) -> It
     stubs.load(checkpoints.a, "A")
 
 
-def test_disk_update_turns_a_into_b_and_back(weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints,
-                                             tokens_a: list[int], tokens_b: list[int]) -> None:
+def test_disk_update_turns_a_into_b_and_back(
+    weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], tokens_b: list[int]
+) -> None:
     before = stubs.version()
     response = stubs.load(checkpoints.b, "step-1")
     assert greedy_tokens(weights_server) == tokens_b
@@ -127,8 +115,9 @@ def test_disk_update_turns_a_into_b_and_back(weights_server: ServeProcess, stubs
     assert stubs.verify().verdict == vpb.VERIFY_VERDICT_MATCH
 
 
-def test_update_without_version_leaves_it_undeclared(weights_server: ServeProcess, stubs: Stubs,
-                                                     checkpoints: Checkpoints, tokens_b: list[int]) -> None:
+def test_update_without_version_leaves_it_undeclared(
+    weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_b: list[int]
+) -> None:
     stubs.load(checkpoints.b)
     version = stubs.version()
     assert not version.declared and not version.HasField("version")
@@ -137,8 +126,11 @@ def test_update_without_version_leaves_it_undeclared(weights_server: ServeProces
 
 
 def test_operation_metadata_reports_progress(stubs: Stubs, checkpoints: Checkpoints) -> None:
-    done = stubs.wait(stubs.updates.UpdateWeightsFromDisk(
-        upb.UpdateWeightsFromDiskRequest(path=str(checkpoints.b), weight_version="meta")))
+    done = stubs.wait(
+        stubs.updates.UpdateWeightsFromDisk(
+            upb.UpdateWeightsFromDiskRequest(path=str(checkpoints.b), weight_version="meta")
+        )
+    )
     metadata = upb.UpdateWeightsMetadata()
     done.metadata.Unpack(metadata)
     assert metadata.phase == upb.UPDATE_PHASE_DONE and metadata.source == wv.WEIGHT_SOURCE_DISK
@@ -154,8 +146,11 @@ def test_updates_are_counted_on_metrics(weights_server: ServeProcess, stubs: Stu
     def counted() -> dict[str, float]:
         with urllib.request.urlopen(f"{weights_server.http_url}/metrics", timeout=30) as response:
             lines = response.read().decode().splitlines()
-        return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in lines
-                if line.startswith(("enginectl_weight_updates_total", "enginectl_weight_update_bytes_total"))}
+        return {
+            line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
+            for line in lines
+            if line.startswith(("enginectl_weight_updates_total", "enginectl_weight_update_bytes_total"))
+        }
 
     before = counted()
     stubs.load(checkpoints.b, "counted")
@@ -163,16 +158,22 @@ def test_updates_are_counted_on_metrics(weights_server: ServeProcess, stubs: Stu
     ok = 'enginectl_weight_updates_total{result="ok",source="disk"}'
     assert after[ok] == before.get(ok, 0.0) + 1
     size = (checkpoints.b / "model.safetensors").stat().st_size
-    assert 0 < after["enginectl_weight_update_bytes_total"] - before.get("enginectl_weight_update_bytes_total", 0.0) <= size
+    assert (
+        0
+        < after["enginectl_weight_update_bytes_total"] - before.get("enginectl_weight_update_bytes_total", 0.0)
+        <= size
+    )
 
 
-def test_bypass_load_is_drifted(weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints,
-                                tokens_b: list[int]) -> None:
+def test_bypass_load_is_drifted(
+    weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_b: list[int]
+) -> None:
     assert stubs.verify().verdict == vpb.VERIFY_VERDICT_MATCH
     # vLLM's own route, enginectl not involved: the label still says "A".
     body = json.dumps({"method": "reload_weights", "kwargs": {"weights_path": str(checkpoints.b)}}).encode()
-    request = urllib.request.Request(f"{weights_server.http_url}/collective_rpc", data=body,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{weights_server.http_url}/collective_rpc", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         assert response.status == 200
     assert stubs.version().version == "A"
@@ -188,7 +189,8 @@ def test_bypass_load_is_drifted(weights_server: ServeProcess, stubs: Stubs, chec
 
 def test_set_version_sent_during_an_update_applies_after_it(stubs: Stubs, checkpoints: Checkpoints) -> None:
     op = stubs.updates.UpdateWeightsFromDisk(
-        upb.UpdateWeightsFromDiskRequest(path=str(checkpoints.b), weight_version="from-update"))
+        upb.UpdateWeightsFromDiskRequest(path=str(checkpoints.b), weight_version="from-update")
+    )
     # Sent after the update was accepted: waits for it, then applies.
     declared = stubs.versions.SetWeightVersion(vpb.SetWeightVersionRequest(version="declared-later"))
     done = stubs.wait(op)
@@ -244,49 +246,98 @@ def _bad_inputs(ckpt: Checkpoints, tmp: Path) -> dict[str, tuple[Any, grpc.Statu
     disk = upb.UpdateWeightsFromDiskRequest
     invalid, denied = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED
     return {
-        "unknown tensor": (disk(path=str(_save(ckpt.root / "unknown/model.safetensors",
-                                                {"model.bogus.weight": torch.zeros(4)})), weight_version="x"),
-                           invalid, "TENSOR_MISMATCH"),
-        "wrong shape": (disk(path=str(_save(ckpt.root / "shape/model.safetensors",
-                                             {embed: torch.zeros(3, 7)})), weight_version="x"),
-                        invalid, "TENSOR_MISMATCH"),
-        "wrong dtype": (disk(path=str(_save(ckpt.root / "dtype/model.safetensors",
-                                             {embed: torch.zeros(state[embed].shape, dtype=torch.int64)})),
-                             weight_version="x"), invalid, "TENSOR_MISMATCH"),
+        "unknown tensor": (
+            disk(
+                path=str(_save(ckpt.root / "unknown/model.safetensors", {"model.bogus.weight": torch.zeros(4)})),
+                weight_version="x",
+            ),
+            invalid,
+            "TENSOR_MISMATCH",
+        ),
+        "wrong shape": (
+            disk(
+                path=str(_save(ckpt.root / "shape/model.safetensors", {embed: torch.zeros(3, 7)})), weight_version="x"
+            ),
+            invalid,
+            "TENSOR_MISMATCH",
+        ),
+        "wrong dtype": (
+            disk(
+                path=str(
+                    _save(
+                        ckpt.root / "dtype/model.safetensors",
+                        {embed: torch.zeros(state[embed].shape, dtype=torch.int64)},
+                    )
+                ),
+                weight_version="x",
+            ),
+            invalid,
+            "TENSOR_MISMATCH",
+        ),
         "outside the allowed roots": (disk(path=str(outside), weight_version="x"), denied, "PATH_NOT_ALLOWED"),
         "symlink escape": (disk(path=str(escape), weight_version="x"), denied, "PATH_NOT_ALLOWED"),
-        "pickle .bin file": (disk(path=str(pickled / "pytorch_model.bin"), weight_version="x"),
-                             invalid, "UNSUPPORTED_FORMAT"),
+        "pickle .bin file": (
+            disk(path=str(pickled / "pytorch_model.bin"), weight_version="x"),
+            invalid,
+            "UNSUPPORTED_FORMAT",
+        ),
         "directory of pickles": (disk(path=str(pickled), weight_version="x"), invalid, "UNSUPPORTED_FORMAT"),
         "truncated safetensors": (disk(path=str(truncated), weight_version="x"), invalid, "UNSUPPORTED_FORMAT"),
         "relative path": (disk(path="B/model.safetensors", weight_version="x"), invalid, "PATH_INVALID"),
-        "missing file": (disk(path=str(ckpt.root / "nope"), weight_version="x"),
-                         grpc.StatusCode.NOT_FOUND, "PATH_NOT_FOUND"),
+        "missing file": (
+            disk(path=str(ckpt.root / "nope"), weight_version="x"),
+            grpc.StatusCode.NOT_FOUND,
+            "PATH_NOT_FOUND",
+        ),
         "oversize version": (disk(path=str(ckpt.b), weight_version="v" * 257), invalid, "VERSION_TOO_LONG"),
         "bad pause mode": (disk(path=str(ckpt.b), weight_version="x", pause_mode=99), invalid, "PAUSE_MODE_INVALID"),
-        "stale etag": (disk(path=str(ckpt.b), weight_version="x", etag="0" * 20),
-                       grpc.StatusCode.ABORTED, "ETAG_MISMATCH"),
-        "missing group": (upb.UpdateWeightsFromDistributedRequest(
-            group_name="no-such-group", weight_version="x",
-            tensors=[upb.TensorSpec(name=embed, dtype=upb.TENSOR_DTYPE_FLOAT32, shape=list(state[embed].shape))]),
-            grpc.StatusCode.NOT_FOUND, "GROUP_NOT_FOUND"),
+        "stale etag": (
+            disk(path=str(ckpt.b), weight_version="x", etag="0" * 20),
+            grpc.StatusCode.ABORTED,
+            "ETAG_MISMATCH",
+        ),
+        "missing group": (
+            upb.UpdateWeightsFromDistributedRequest(
+                group_name="no-such-group",
+                weight_version="x",
+                tensors=[upb.TensorSpec(name=embed, dtype=upb.TENSOR_DTYPE_FLOAT32, shape=list(state[embed].shape))],
+            ),
+            grpc.StatusCode.NOT_FOUND,
+            "GROUP_NOT_FOUND",
+        ),
     }
 
 
-CASES = ["unknown tensor", "wrong shape", "wrong dtype", "outside the allowed roots", "symlink escape",
-         "pickle .bin file", "directory of pickles", "truncated safetensors", "relative path", "missing file",
-         "oversize version", "bad pause mode", "stale etag", "missing group"]
+CASES = [
+    "unknown tensor",
+    "wrong shape",
+    "wrong dtype",
+    "outside the allowed roots",
+    "symlink escape",
+    "pickle .bin file",
+    "directory of pickles",
+    "truncated safetensors",
+    "relative path",
+    "missing file",
+    "oversize version",
+    "bad pause mode",
+    "stale etag",
+    "missing group",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_update_is_refused_before_touching_weights(case: str, weights_server: ServeProcess, stubs: Stubs,
-                                                       checkpoints: Checkpoints, tokens_a: list[int],
-                                                       tmp_path: Path) -> None:
+def test_bad_update_is_refused_before_touching_weights(
+    case: str, weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], tmp_path: Path
+) -> None:
     request, code, reason = _bad_inputs(checkpoints, tmp_path)[case]
     before = stubs.version()
     ops_before = len(stubs.ops.ListOperations(operations_pb2.ListOperationsRequest()).operations)
-    call = (stubs.updates.UpdateWeightsFromDisk if isinstance(request, upb.UpdateWeightsFromDiskRequest)
-            else stubs.updates.UpdateWeightsFromDistributed)
+    call = (
+        stubs.updates.UpdateWeightsFromDisk
+        if isinstance(request, upb.UpdateWeightsFromDiskRequest)
+        else stubs.updates.UpdateWeightsFromDistributed
+    )
     with pytest.raises(grpc.RpcError) as raised:
         call(request)
     assert raised.value.code() == code, raised.value.details()
@@ -300,14 +351,18 @@ def test_bad_update_is_refused_before_touching_weights(case: str, weights_server
 
 
 def test_second_concurrent_update_is_refused_and_cancel_changes_nothing(
-        weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int]) -> None:
+    weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int]
+) -> None:
     """A tensor stream whose sender stalls after its header holds the one update slot."""
     import queue
 
     state = checkpoints.state_dict("B")
     request_id = str(uuid.uuid4())
-    header = upb.TensorStreamHeader(weight_version="stalled", request_id=request_id, tensors=[
-        upb.TensorSpec(name=n, dtype=upb.TENSOR_DTYPE_FLOAT32, shape=list(t.shape)) for n, t in state.items()])
+    header = upb.TensorStreamHeader(
+        weight_version="stalled",
+        request_id=request_id,
+        tensors=[upb.TensorSpec(name=n, dtype=upb.TENSOR_DTYPE_FLOAT32, shape=list(t.shape)) for n, t in state.items()],
+    )
     gate: queue.Queue[None] = queue.Queue()
 
     def messages() -> Iterator[upb.UpdateWeightsFromTensorsRequest]:
@@ -355,10 +410,20 @@ class Streaming:
         self.finished = threading.Event()
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
-        body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}
-        self._request = urllib.request.Request(f"{server.http_url}/v1/completions", data=json.dumps(body).encode(),
-                                               headers={"Content-Type": "application/json"})
+        body = {
+            "model": server.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        self._request = urllib.request.Request(
+            f"{server.http_url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
@@ -403,7 +468,8 @@ def test_pause_wait_returns_after_in_flight_generation_completes(weights_server:
 
 
 def test_pause_keep_keeps_generation_and_it_continues_under_new_weights(
-        weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints) -> None:
+    weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints
+) -> None:
     prompt, n = [9, 10, 11], 120
     reference = greedy_tokens(weights_server, prompt, max_tokens=n)  # all under A
     gen = Streaming(weights_server, prompt, max_tokens=n).wait_started()
@@ -420,8 +486,9 @@ def test_pause_keep_keeps_generation_and_it_continues_under_new_weights(
     assert gen.token_ids != reference  # the rest came from B
 
 
-def test_update_resets_prefix_cache_by_default(weights_server: ServeProcess, stubs: Stubs,
-                                               checkpoints: Checkpoints) -> None:
+def test_update_resets_prefix_cache_by_default(
+    weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints
+) -> None:
     greedy_tokens(weights_server, LONG_PROMPT)  # caches the prompt's KV under A
     stubs.load(checkpoints.b, "B-stale", reset_prefix_cache=False)
     stale = greedy_tokens(weights_server, LONG_PROMPT)
@@ -467,16 +534,23 @@ def test_server_info_lists_backends_of_this_machine(stubs: Stubs, checkpoints: C
     assert "google.longrunning.Operations/WaitOperation" in info.supported_rpcs
 
 
-def test_grpcurl_starts_an_update_and_waits_for_its_operation(weights_server: ServeProcess, stubs: Stubs,
-                                                             checkpoints: Checkpoints, tokens_b: list[int]) -> None:
+def test_grpcurl_starts_an_update_and_waits_for_its_operation(
+    weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_b: list[int]
+) -> None:
     def grpcurl(method: str, body: dict[str, Any]) -> dict[str, Any]:
-        out = subprocess.run([str(BIN / "grpcurl"), "-plaintext", "-d", json.dumps(body),
-                              weights_server.grpc_target, method], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [str(BIN / "grpcurl"), "-plaintext", "-d", json.dumps(body), weights_server.grpc_target, method],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
-    started = grpcurl("enginectl.weights.v1.WeightUpdateService/UpdateWeightsFromDisk",
-                      {"path": str(checkpoints.b), "weightVersion": "via-grpcurl"})
+    started = grpcurl(
+        "enginectl.weights.v1.WeightUpdateService/UpdateWeightsFromDisk",
+        {"path": str(checkpoints.b), "weightVersion": "via-grpcurl"},
+    )
     assert started["name"].startswith("operations/")
     done = grpcurl("google.longrunning.Operations/WaitOperation", {"name": started["name"], "timeout": "60s"})
     assert done["done"] is True
@@ -487,11 +561,16 @@ def test_grpcurl_starts_an_update_and_waits_for_its_operation(weights_server: Se
     assert greedy_tokens(weights_server) == tokens_b
 
 
-def test_cli_loads_verifies_pauses_and_reports_errors(weights_server: ServeProcess, stubs: Stubs,
-                                                      checkpoints: Checkpoints, tokens_b: list[int]) -> None:
+def test_cli_loads_verifies_pauses_and_reports_errors(
+    weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_b: list[int]
+) -> None:
     def cli(*words: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(BIN / "enginectl"), "--target", weights_server.grpc_target, *words],
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [str(BIN / "enginectl"), "--target", weights_server.grpc_target, *words],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     loaded = cli("weights", "load", str(checkpoints.b), "--version", "from-cli")
     assert loaded.returncode == 0, loaded.stderr

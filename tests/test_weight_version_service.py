@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from serving import ServeProcess
 
 from enginectl.client import (
     AbortedError,
@@ -26,8 +27,6 @@ from enginectl.client import (
 )
 from enginectl.weights.v1 import weight_version_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_service_pb2_grpc as pb2_grpc
-
-from serving import ServeProcess
 
 
 @pytest.fixture
@@ -103,7 +102,8 @@ async def test_unparseable_request_is_invalid_argument(server: ServeProcess, raw
         before = (await stub.GetWeightVersion(pb2.GetWeightVersionRequest())).weight_version
         call = channel.unary_unary(
             "/enginectl.weights.v1.WeightVersionService/SetWeightVersion",
-            request_serializer=lambda b: b, response_deserializer=lambda b: b,
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
         )
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call(raw, timeout=30)
@@ -184,10 +184,12 @@ def test_sync_client(server: ServeProcess) -> None:
 
 
 def _generate(server: ServeProcess, prompt_ids: list[int], max_tokens: int = 6) -> dict:
-    body = json.dumps({
-        "token_ids": prompt_ids,
-        "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0},
-    }).encode()
+    body = json.dumps(
+        {
+            "token_ids": prompt_ids,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0},
+        }
+    ).encode()
     request = urllib.request.Request(
         f"{server.http_url}/inference/v1/generate", data=body, headers={"content-type": "application/json"}
     )
@@ -226,8 +228,13 @@ async def test_server_info_describes_engine_and_supported_rpcs(server: ServeProc
 
     every = {
         f"{service.full_name}/{method.name}"
-        for module in (pb2, weight_update_service_pb2, fpm_identity_service_pb2,
-                       forward_pass_metrics_service_pb2, operations_pb2)
+        for module in (
+            pb2,
+            weight_update_service_pb2,
+            fpm_identity_service_pb2,
+            forward_pass_metrics_service_pb2,
+            operations_pb2,
+        )
         for service in module.DESCRIPTOR.services_by_name.values()
         for method in service.methods
     }

@@ -30,9 +30,17 @@ def main() -> None:
     if mode == "full":
         result = client.broadcast_weights(tensors, version, group_name=group.group_name, timeout=timeout)
         client.destroy_weights_update_group(group.group_name)
-        print(json.dumps({"operation": result.operation, "ranks": len(result.ranks),
-                          "tensors": result.ranks[0].tensors_loaded, "version": result.weight_version.version}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "operation": result.operation,
+                    "ranks": len(result.ranks),
+                    "tensors": result.ranks[0].tensors_loaded,
+                    "version": result.weight_version.version,
+                }
+            ),
+            flush=True,
+        )
         client.close()
         return
     broadcast = client.start_broadcast(tensors, version, group_name=group.group_name, timeout=timeout)

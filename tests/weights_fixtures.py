@@ -10,6 +10,8 @@ weights_server`) so pytest registers them there. Runs in the pytest process.
 - `weights_server` (session): `enginectl serve --allow-weights-from <root> --enable-scale-out`
   with `VLLM_SERVER_DEV_MODE=1` (vLLM's `/collective_rpc`, `/pause`, `/resume` routes, used to
   bypass enginectl on purpose). Terminated at the end; no child process may be left.
+- `WeightStubs`: blocking stubs of a server's weight services and Operations on one channel,
+  which the test modules extend.
 """
 
 from __future__ import annotations
@@ -22,8 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from google.longrunning import operations_pb2_grpc
 from serving import ServeProcess, alive
+
+from enginectl.weights.v1 import weight_update_service_pb2 as upb
+from enginectl.weights.v1 import weight_update_service_pb2_grpc as upb_grpc
+from enginectl.weights.v1 import weight_version_pb2 as wv
+from enginectl.weights.v1 import weight_version_service_pb2 as vpb
+from enginectl.weights.v1 import weight_version_service_pb2_grpc as vpb_grpc
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 B_SEED = 1
@@ -49,15 +59,38 @@ class Checkpoints:
         return dict(load_file(str(self.file(which))))
 
 
-def greedy_tokens(server: ServeProcess, prompt: list[int] | None = None, max_tokens: int = 8,
-                  timeout: float = 120.0) -> list[int]:
+class WeightStubs:
+    """Blocking stubs of a server's WeightUpdateService, WeightVersionService and Operations."""
+
+    timeout: float | None = None  # deadline of version() and state(), seconds (None: none)
+
+    def __init__(self, server: ServeProcess) -> None:
+        self.channel = grpc.insecure_channel(server.grpc_target)
+        self.updates = upb_grpc.WeightUpdateServiceStub(self.channel)
+        self.versions = vpb_grpc.WeightVersionServiceStub(self.channel)
+        self.ops = operations_pb2_grpc.OperationsStub(self.channel)
+
+    def version(self) -> wv.WeightVersion:
+        return self.versions.GetWeightVersion(vpb.GetWeightVersionRequest(), timeout=self.timeout).weight_version
+
+    def state(self) -> upb.GenerationState:
+        return self.updates.GetGenerationState(upb.GetGenerationStateRequest(), timeout=self.timeout).state
+
+
+def greedy_tokens(
+    server: ServeProcess, prompt: list[int] | None = None, max_tokens: int = 8, timeout: float = 120.0
+) -> list[int]:
     """Token ids the server generates now for `prompt` (token ids) at temperature 0."""
     body = {
-        "model": server.model, "prompt": prompt or PROMPT, "max_tokens": max_tokens,
-        "temperature": 0, "return_token_ids": True,
+        "model": server.model,
+        "prompt": prompt or PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
     }
     request = urllib.request.Request(
-        f"{server.http_url}/v1/completions", data=json.dumps(body).encode(),
+        f"{server.http_url}/v1/completions",
+        data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -91,13 +124,14 @@ def checkpoints(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFact
     return Checkpoints(root=root, a=a, b=b)
 
 
-def start_weights_server(serve_env: dict[str, str], checkpoints: Checkpoints,
-                         *extra: str) -> ServeProcess:
+def start_weights_server(serve_env: dict[str, str], checkpoints: Checkpoints, *extra: str) -> ServeProcess:
     """A ready server allowed to read the checkpoints' root, in vLLM dev mode."""
     env = dict(serve_env, VLLM_SERVER_DEV_MODE="1")
-    return ServeProcess(
-        ["--allow-weights-from", str(checkpoints.root), "--enable-scale-out", *extra], env
-    ).start().wait_ready()
+    return (
+        ServeProcess(["--allow-weights-from", str(checkpoints.root), "--enable-scale-out", *extra], env)
+        .start()
+        .wait_ready()
+    )
 
 
 def stop_server(srv: ServeProcess) -> None:
