@@ -3,7 +3,8 @@
 Runs in the trainer process. `AsyncTrainerClient` (asyncio) extends `AsyncClient` with
 WeightUpdateService, VerifyWeights and google.longrunning.Operations; `TrainerClient` extends
 `Client` with the same methods blocking (the async ones, run on its event-loop thread).
-`AsyncBroadcast` (and its blocking view `Broadcast`) is a broadcast update in flight.
+`AsyncBroadcast` (and its blocking view `Broadcast`, both in trainer_broadcast.py) is a broadcast
+update in flight.
 
     with TrainerClient("127.0.0.1:50051") as t:
         t.update_weights_from_disk("/ckpt/step-42", "step-42", progress=True)
@@ -18,18 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, Literal, Unpack, overload
+from typing import Literal, Unpack, overload
 
 import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
 
-from enginectl.client._sync import LoopThread, blocking, entering
+from enginectl.client._sync import blocking, entering
 from enginectl.client.client import DEFAULT_TARGET, AsyncClient, ChannelOptions, Client
 from enginectl.client.errors import DeadlineExceededError, from_rpc_error
 from enginectl.client.progress import ProgressBar
+from enginectl.client.trainer_broadcast import AsyncBroadcast, Broadcast
 from enginectl.client.trainer_requests import GRACE_S, UpdateOptions, duration, parse_pause_mode
 from enginectl.client.trainer_tensors import (
     BACKENDS,
@@ -56,70 +57,6 @@ DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 DEFAULT_GROUP = "enginectl-trainer"
 POLL_S = 0.2  # WaitOperation slice while drawing progress
 WAIT_SLICE_S = 60.0  # WaitOperation slice otherwise
-
-
-class AsyncBroadcast:
-    """An UpdateWeightsFromDistributed in flight: the trainer broadcasts `tensors` in order
-    through its group (`send`), then waits for the Operation (`wait`)."""
-
-    def __init__(
-        self,
-        client: AsyncTrainerClient,
-        group: BroadcastGroup,
-        operation: UpdateOperation,
-        tensors: list[Any],
-        options: UpdateOptions,
-        progress: bool,
-    ) -> None:
-        self.client, self.group, self.operation = client, group, operation
-        self.options, self.progress = options, progress
-        self._tensors = tensors
-        self.sent = 0
-        self._stop = threading.Event()
-
-    @property
-    def name(self) -> str:
-        return self.operation.name
-
-    @property
-    def remaining(self) -> int:
-        return len(self._tensors) - self.sent
-
-    async def send(self, count: int | None = None) -> int:
-        """Broadcast the next `count` tensors (all remaining by default); returns how many.
-        If the Operation ends first (cancelled, timed out), raises its error."""
-        batch = self._tensors[self.sent : self.sent + (self.remaining if count is None else count)]
-        sending = asyncio.ensure_future(asyncio.to_thread(self.group.broadcast, batch, self._stop))
-        ended = asyncio.ensure_future(self.client._await_done(self.name, None, None))
-        try:
-            await asyncio.wait({sending, ended}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ended.cancel()
-        if not sending.done():
-            # The server gave up on the broadcast: this group's collectives can not be trusted.
-            self._stop.set()
-            self.client._forget_group(self.group.name, "the update ended while broadcasting")
-            sending.add_done_callback(lambda f: f.exception())
-            op = ended.result()
-            if op.error is not None:
-                raise op.error
-            raise RuntimeError(f"{self.name} ended while tensors were still being broadcast")
-        try:
-            self.sent += sending.result()
-        except Exception:
-            self.client._forget_group(self.group.name, self.group.broken)
-            # The peers went away because the server ended the update (cancel, timeout, a
-            # failed load): its error says why, better than gloo's "connection closed".
-            op = await self.client._await_done(self.name, 30.0, None)
-            if op.done and op.error is not None:
-                raise op.error from None
-            raise
-        return len(batch)
-
-    async def wait(self, timeout: float | None = None) -> UpdateResult:
-        """Wait for the Operation; its result, or its error raised."""
-        bound = timeout if timeout is not None else self.options.wait_bound()
-        return (await self.client._await_operation(self.name, bound, self.progress)).result()
 
 
 class AsyncTrainerClient(AsyncClient):
@@ -524,33 +461,6 @@ class AsyncTrainerClient(AsyncClient):
         )
         await broadcast.send()
         return await broadcast.wait()
-
-
-class Broadcast:
-    """Blocking view of AsyncBroadcast (from TrainerClient.start_broadcast)."""
-
-    def __init__(self, loop: LoopThread, inner: AsyncBroadcast) -> None:
-        self._loop, self._core = loop, inner
-
-    @property
-    def name(self) -> str:
-        return self._core.name
-
-    @property
-    def operation(self) -> UpdateOperation:
-        """The Operation as it was when the broadcast started."""
-        return self._core.operation
-
-    @property
-    def sent(self) -> int:
-        return self._core.sent
-
-    @property
-    def remaining(self) -> int:
-        return self._core.remaining
-
-    send = blocking(AsyncBroadcast.send)
-    wait = blocking(AsyncBroadcast.wait)
 
 
 class TrainerClient(Client):
