@@ -67,16 +67,18 @@ class UpdateFailed(Exception):
         )
 
 
+@dataclass(frozen=True)
+class UpdatePause:
+    """How the update found generation: whether it paused it itself, how many requests were
+    in flight then, and how long pausing took."""
+
+    by_update: bool = False
+    in_flight: int = 0
+    seconds: float = 0.0
+
+
 def success_response(
-    plan: UpdatePlan,
-    state: VersionState,
-    results: list[LoadResult],
-    started: float,
-    *,
-    resumed: bool,
-    in_flight: int,
-    paused_by_update: bool,
-    pause_duration: float,
+    plan: UpdatePlan, state: VersionState, results: list[LoadResult], started: float, pause: UpdatePause, resumed: bool
 ) -> pb2.UpdateWeightsResponse:
     """The Operation's response: the new version, per-rank results, what the pause did."""
     from enginectl.server.weights.version_service import weight_version_proto
@@ -84,11 +86,11 @@ def success_response(
     return pb2.UpdateWeightsResponse(
         weight_version=weight_version_proto(state),
         ranks=per_rank(results),
-        num_paused_requests=in_flight if paused_by_update and plan.pause_mode == "keep" else 0,
-        num_aborted_requests=in_flight if paused_by_update and plan.pause_mode == "abort" else 0,
+        num_paused_requests=pause.in_flight if pause.by_update and plan.pause_mode == "keep" else 0,
+        num_aborted_requests=pause.in_flight if pause.by_update and plan.pause_mode == "abort" else 0,
         prefix_cache_reset=plan.reset_cache,
         generation_resumed=resumed,
-        pause_duration=duration(pause_duration),
+        pause_duration=duration(pause.seconds),
         duration=duration(time.monotonic() - started),
     )
 

@@ -148,32 +148,15 @@ class UpdateValidator:
         return tensors
 
     def disk(self, request: pb2.UpdateWeightsFromDiskRequest) -> UpdatePlan:
-        version = request.weight_version if request.HasField("weight_version") else None
-        self._ledger.check_write(version=version, etag=request.etag, request_id=request.request_id)
-        mode = parse_pause_mode("pause_mode", request.pause_mode)
-        timeout = parse_timeout("timeout", request.timeout, request.HasField("timeout"))
+        common = self._common(request, "")
         files = resolve_checkpoint(request.path, self.allowed_roots)
         tensors = [info for file in files for info in read_header(file)]
         self.check_tensors(tensors)
-        return UpdatePlan(
-            WeightSource.DISK,
-            tensors,
-            files,
-            "",
-            version,
-            request.etag,
-            request.request_id,
-            mode,
-            _reset_cache(request),
-            timeout,
-        )
+        return UpdatePlan(WeightSource.DISK, tensors, files, "", *common)
 
     def distributed(self, request: pb2.UpdateWeightsFromDistributedRequest) -> UpdatePlan:
-        version = request.weight_version if request.HasField("weight_version") else None
-        self._ledger.check_write(version=version, etag=request.etag, request_id=request.request_id)
+        common = self._common(request, "")
         check_group_name(request.group_name)
-        mode = parse_pause_mode("pause_mode", request.pause_mode)
-        timeout = parse_timeout("timeout", request.timeout, request.HasField("timeout"))
         tensors = self.specs_from_proto(request.tensors)
         self.check_tensors(tensors)
         if request.group_name not in self._groups:
@@ -182,42 +165,23 @@ class UpdateValidator:
                 Reason.GROUP_NOT_FOUND,
                 f"no update group {request.group_name!r}; create it with InitWeightsUpdateGroup",
             )
-        return UpdatePlan(
-            WeightSource.DISTRIBUTED,
-            tensors,
-            [],
-            request.group_name,
-            version,
-            request.etag,
-            request.request_id,
-            mode,
-            _reset_cache(request),
-            timeout,
-        )
+        return UpdatePlan(WeightSource.DISTRIBUTED, tensors, [], request.group_name, *common)
 
     def tensors(self, header: pb2.TensorStreamHeader) -> UpdatePlan:
-        version = header.weight_version if header.HasField("weight_version") else None
-        self._ledger.check_write(version=version, etag=header.etag, request_id=header.request_id)
-        mode = parse_pause_mode("header.pause_mode", header.pause_mode)
-        timeout = parse_timeout("header.timeout", header.timeout, header.HasField("timeout"))
+        common = self._common(header, "header.")
         tensors = self.specs_from_proto(header.tensors, "header.tensors")
         self.check_tensors(tensors, "header.tensors")
-        return UpdatePlan(
-            WeightSource.TENSORS,
-            tensors,
-            [],
-            "",
-            version,
-            header.etag,
-            header.request_id,
-            mode,
-            _reset_cache(header),
-            timeout,
-        )
+        return UpdatePlan(WeightSource.TENSORS, tensors, [], "", *common)
+
+    def _common(self, request: UpdateRequest, prefix: str) -> tuple[str | None, str, str, str, bool, float]:
+        """The fields every update has, checked: (version, etag, request_id, pause mode,
+        reset_cache, timeout); `prefix` names where they sit in the request."""
+        version = request.weight_version if request.HasField("weight_version") else None
+        self._ledger.check_write(version=version, etag=request.etag, request_id=request.request_id)
+        mode = parse_pause_mode(f"{prefix}pause_mode", request.pause_mode)
+        timeout = parse_timeout(f"{prefix}timeout", request.timeout, request.HasField("timeout"))
+        reset_cache = request.reset_prefix_cache if request.HasField("reset_prefix_cache") else True
+        return version, request.etag, request.request_id, mode, reset_cache, timeout
 
 
-def _reset_cache(
-    request: pb2.UpdateWeightsFromDiskRequest | pb2.UpdateWeightsFromDistributedRequest | pb2.TensorStreamHeader,
-) -> bool:
-    """reset_prefix_cache, true unless the request says otherwise."""
-    return request.reset_prefix_cache if request.HasField("reset_prefix_cache") else True
+UpdateRequest = pb2.UpdateWeightsFromDiskRequest | pb2.UpdateWeightsFromDistributedRequest | pb2.TensorStreamHeader

@@ -38,7 +38,7 @@ from enginectl.server.weights.generation import Generation, PauseEngine
 from enginectl.server.weights.groups import BREAKING_CAUSES, GroupEngine, UpdateGroups, backends
 from enginectl.server.weights.ledger import Failure, Fingerprint, VersionState, WeightVersionLedger
 from enginectl.server.weights.operations import OperationStore, UpdateOperation
-from enginectl.server.weights.outcome import UpdateFailed, success_response
+from enginectl.server.weights.outcome import UpdateFailed, UpdatePause, success_response
 from enginectl.server.weights.plans import UpdatePlan, UpdateValidator
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_pb2 as wv_pb2
@@ -257,13 +257,13 @@ class WeightUpdates:
         deadline = time.time() + plan.timeout
         channels = UpdateChannels(self._ctx, self._dir, op_id[:36], self._ranks)
         op.on_abort = channels.abort
-        paused_by_update = False
+        pause = UpdatePause()  # generation as the update found it, and what pausing did
         holding = True  # the ledger's write lock, taken in start()
         try:
             # The declaration this update may fail back to keeps its full baseline (taken in
             # slices between generation steps): let it finish before any weight changes.
             await self.fingerprints.settle()
-            paused_by_update, in_flight, pause_duration = await self._pause_for(op, plan, deadline)
+            pause = await self._pause_for(op, plan, deadline)
             if op.cancel_requested.is_set():
                 raise UpdateFailed(Cause.UPDATE_CANCELLED, "CancelOperation before loading began", modified=False)
             try:
@@ -280,7 +280,7 @@ class WeightUpdates:
                 cause, message = errors[0]
                 raise UpdateFailed(cause, message, modified=modified)
             op.metadata.weights_modified = modified
-            resumed = paused_by_update and not gen.caller_paused
+            resumed = pause.by_update and not gen.caller_paused
             self._phase(op, pb2.UPDATE_PHASE_FINGERPRINTING)
             state = await self._finish(plan, resumed)
             lock.release()
@@ -294,30 +294,20 @@ class WeightUpdates:
                     await gen.pause_engine("keep", False, None)
                     resumed = False
             self._phase(op, pb2.UPDATE_PHASE_DONE)
-            self._succeeded(
-                op,
-                plan,
-                state,
-                results,
-                started,
-                resumed=resumed,
-                in_flight=in_flight,
-                paused_by_update=paused_by_update,
-                pause_duration=pause_duration,
-            )
+            self._succeeded(op, plan, state, results, started, pause, resumed)
         except UpdateFailed as failure:
-            await self._fail(op, plan, failure, paused_by_update)
+            await self._fail(op, plan, failure, pause.by_update)
         except ControlPlaneError as exc:
             await self._fail(
-                op, plan, UpdateFailed(exc.reason, exc.message, modified=op.metadata.weights_modified), paused_by_update
+                op, plan, UpdateFailed(exc.reason, exc.message, modified=op.metadata.weights_modified), pause.by_update
             )
-        except Exception as exc:
+        except Exception as exc:  # an operation must always end; logged with its traceback
             log.exception("update failed unexpectedly", operation=op.name)
             await self._fail(
                 op,
                 plan,
                 UpdateFailed(Cause.LOAD_FAILED, f"{type(exc).__name__}: {exc}", modified=op.metadata.weights_modified),
-                paused_by_update,
+                pause.by_update,
             )
         finally:
             if holding:
@@ -327,7 +317,7 @@ class WeightUpdates:
             if gen.active is op:
                 gen.active = None
 
-    async def _pause_for(self, op: UpdateOperation, plan: UpdatePlan, deadline: float) -> tuple[bool, int, float]:
+    async def _pause_for(self, op: UpdateOperation, plan: UpdatePlan, deadline: float) -> UpdatePause:
         """Pause generation for the update unless it is paused already: (paused by the update,
         requests in flight at the start, seconds the pause took)."""
         gen = self.generation
@@ -355,7 +345,7 @@ class WeightUpdates:
             # Held paused by an earlier partial update: a success here resumes.
             paused_by_update = True
         op.metadata.paused_by_update = paused_by_update
-        return paused_by_update, in_flight, time.monotonic() - pause_started
+        return UpdatePause(paused_by_update, in_flight, time.monotonic() - pause_started)
 
     async def _finish(self, plan: UpdatePlan, resume: bool) -> VersionState:
         """After a successful load: reset the cache, fingerprint, stamp and record the version."""
@@ -377,24 +367,10 @@ class WeightUpdates:
         state: VersionState,
         results: list[LoadResult],
         started: float,
-        *,
+        pause: UpdatePause,
         resumed: bool,
-        in_flight: int,
-        paused_by_update: bool,
-        pause_duration: float,
     ) -> None:
-        op.finish(
-            response=success_response(
-                plan,
-                state,
-                results,
-                started,
-                resumed=resumed,
-                in_flight=in_flight,
-                paused_by_update=paused_by_update,
-                pause_duration=pause_duration,
-            )
-        )
+        op.finish(response=success_response(plan, state, results, started, pause, resumed))
         if self._on_finished is not None:
             self._on_finished(plan.source.value.lower(), "ok", sum(r.bytes_loaded for r in results))
         log.info(
