@@ -27,7 +27,7 @@ MAX_VERSION_BYTES: Final = 256
 MAX_REQUEST_ID_BYTES: Final = 64
 # A worker id (SetWorkerIdentity, `--worker-id`, FPM stream filters): 1..256 bytes, no
 # control characters (WORKER_ID_REQUIRED / WORKER_ID_TOO_LONG / WORKER_ID_INVALID). Defined
-# with the label rule in worker/labels.py, which the EngineCores check it with too.
+# with the label rule in common/labels.py, which the EngineCores check it with too.
 # A TensorSpec name (TENSOR_SPEC_INVALID).
 MAX_TENSOR_NAME_BYTES: Final = 1024
 # An update group name, 1..128 bytes of [A-Za-z0-9._-] (GROUP_NAME_INVALID).
