@@ -18,24 +18,20 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench import fpm, fpm_publish, weights
 from bench.harness import ServeProcess
 from bench.procs import Worker, baseline_server, enginectl_server, rollout_driver
-from bench.stats import ratio
+from bench.run_report import TARGETS, figures, markdown
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PHASES = ("latency", "rollouts", "throughput", "fpm", "fpm_publish", "weights")
 DIAGNOSTIC_VARIANTS = ("bare-uvloop", "intercepted-nolog", "intercepted", "controlplane")
-TARGETS = {  # bench/README.md, figures 1-3
-    "latency_vs_bare": 1.15,  # enginectl p50 / bare grpc.aio p50 <=
-    "latency_vs_http": 0.66,  # enginectl p50 / vLLM HTTP p50 <=
-    "p99_under_rollouts": 3.0,  # loaded p99 / idle p99 <=
-    "throughput_vs_bare": 0.85,  # enginectl req/s / bare req/s >=
-}
 
 
 @dataclass(frozen=True)
@@ -61,7 +57,7 @@ class Config:
         return cls(2000, 200, 100, 120.0, 2000, 4, 64, 120.0, 16, 2, 1.0, 4.0, 3)
 
 
-def median(values) -> float:
+def median(values: Iterable[float]) -> float:
     return round(statistics.median(list(values)), 3)
 
 
@@ -127,7 +123,7 @@ def machine_info() -> dict[str, object]:
 HTTP_STARTUP_LINE = b"Application startup complete"  # uvicorn, logged just before it listens
 
 
-def wait_http_ready(srv: ServeProcess, startup_line, timeout: float = 60.0) -> dict:
+def wait_http_ready(srv: ServeProcess, startup_line: threading.Event, timeout: float = 60.0) -> dict:
     """vLLM's HTTP API may not listen yet when enginectl logs `serving`: wait for uvicorn's
     startup line, then probe; a refused probe waits for more server output (bounded)."""
     t0 = time.monotonic()
@@ -296,173 +292,6 @@ def phase_throughput(servers: dict[str, ServeProcess], http_targets: dict[str, s
         "note": "server CPU for HTTP rows is the whole enginectl process",
     }
     return out
-
-
-# -- figures -------------------------------------------------------------------------------
-def _figure(
-    figure: str,
-    baseline: str,
-    base_val: float | None,
-    eng_val: float | None,
-    unit: str,
-    target: float,
-    higher_is_better: bool,
-) -> dict:
-    r = ratio(eng_val, base_val)
-    met = None if r is None else (r >= target if higher_is_better else r <= target)
-    return {
-        "figure": figure,
-        "baseline": baseline,
-        "baseline_value": base_val,
-        "enginectl_value": eng_val,
-        "unit": unit,
-        "ratio": r,
-        "target": f"{'>=' if higher_is_better else '<='} {target}",
-        "met": met,
-    }
-
-
-def figures(results: dict) -> list[dict]:
-    out = []
-    lat = results.get("latency")
-    if lat:
-        t = lat["targets"]
-        route = results["http_route"]
-        out.append(
-            _figure(
-                "GetWeightVersion p50, 1 client, keep-alive",
-                "bare grpc.aio unary p50",
-                t["bare"].get("p50_ms"),
-                t["enginectl"].get("p50_ms"),
-                "ms",
-                TARGETS["latency_vs_bare"],
-                False,
-            )
-        )
-        out.append(
-            _figure(
-                "GetWeightVersion p50, 1 client, keep-alive",
-                f"vLLM HTTP GET {route} p50",
-                t["http"].get("p50_ms"),
-                t["enginectl"].get("p50_ms"),
-                "ms",
-                TARGETS["latency_vs_http"],
-                False,
-            )
-        )
-    ro = results.get("rollouts")
-    if ro:
-        out.append(
-            _figure(
-                f"GetWeightVersion p99 during {ro['load']['streams']} rollout streams",
-                "same p99, idle",
-                ro["idle"]["enginectl"].get("p99_ms"),
-                ro["loaded"]["enginectl"].get("p99_ms"),
-                "ms",
-                TARGETS["p99_under_rollouts"],
-                False,
-            )
-        )
-    tp = results.get("throughput")
-    if tp:
-        out.append(
-            _figure(
-                f"GetWeightVersion throughput, {tp['_config']['clients']} clients",
-                "bare grpc.aio req/s",
-                tp["bare"]["rps"],
-                tp["enginectl"]["rps"],
-                "req/s",
-                TARGETS["throughput_vs_bare"],
-                True,
-            )
-        )
-    out += fpm.figures(results)
-    out += fpm_publish.figures(results)
-    out += weights.figures(results)
-    return out
-
-
-def _fmt(v: float | None, unit: str) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v:.0f} {unit}" if unit in ("req/s", "samples/s") else f"{v:.3f} {unit}"
-
-
-def markdown(results: dict) -> str:
-    m = results["machine"]
-    lines = [
-        f"# enginectl bench ({results['mode']}) — {m['date']}",
-        "",
-        f"{m['nproc']} cores ({m['cpu_model']}), load avg at start {m['loadavg_start']}, "
-        f"Python {m['python']}, grpcio {m['grpcio']}, vLLM {m['vllm']}. HTTP baseline route: "
-        f"`{results['http_route']}`{' (VLLM_SERVER_DEV_MODE=1)' if results['http_route'] == '/weight_info' else ''}. "
-        f"Commit {results['repo']['commit']}{' + uncommitted changes' if results['repo']['dirty'] else ''}.",
-        "",
-        "| figure | baseline | baseline value | enginectl | ratio | target | met? |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for f in results["figures"]:
-        met = "n/a" if f["met"] is None else ("yes" if f["met"] else "**no**")
-        lines.append(
-            f"| {f['figure']} | {f['baseline']} | {_fmt(f['baseline_value'], f['unit'])} | "
-            f"{_fmt(f['enginectl_value'], f['unit'])} | {f['ratio']} | {f['target']} | {met} |"
-        )
-    lat = results.get("latency")
-    if lat:
-        lines += [
-            "",
-            "Latency, 1 client (interleaved blocks; ms):",
-            "",
-            "| target | n | p50 | p90 | p99 | p99.9 | errors |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for name, s in lat["targets"].items():
-            lines.append(
-                f"| {name} | {s.get('n')} | {s.get('p50_ms')} | {s.get('p90_ms')} | {s.get('p99_ms')} | "
-                f"{s.get('p999_ms')} | {s.get('errors')} |"
-            )
-    ro = results.get("rollouts")
-    if ro:
-        ld = ro["load"]
-        lines += [
-            "",
-            f"p99 under rollouts ({ld['streams']} streams x {ld['max_tokens']} tokens, "
-            f"{ld['tokens_per_s']} tokens/s, {ld['completions']} completions; ms):",
-            "",
-            "| target | idle p50 | idle p99 | loaded p50 | loaded p99 | idle-after p99 | loaded/idle p99 |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for name in ro["loaded"]:
-            i, lo, a = ro["idle"][name], ro["loaded"][name], ro["idle_after"][name]
-            lines.append(
-                f"| {name} | {i.get('p50_ms')} | {i.get('p99_ms')} | {lo.get('p50_ms')} | "
-                f"{lo.get('p99_ms')} | {a.get('p99_ms')} | {ratio(lo.get('p99_ms'), i.get('p99_ms'))} |"
-            )
-    tp = results.get("throughput")
-    if tp:
-        c = tp["_config"]
-        lines += [
-            "",
-            f"Throughput ({c['clients']} clients in {c['processes']} processes, "
-            f"{c['rounds']} x {c['window_s']}s interleaved rounds, medians):",
-            "",
-            "| target | req/s | per round | server CPU µs/req | server CPU util | p50 ms | errors |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for name, rec in tp.items():
-            if name.startswith("_"):
-                continue
-            lines.append(
-                f"| {name} | {rec['rps']:.0f} | {', '.join(str(round(r['rps'])) for r in rec['rounds'])} | "
-                f"{rec['server_cpu_us_per_req']} | {rec['server_cpu_util']} | {rec['latency_p50_ms']} | "
-                f"{rec['errors']} |"
-            )
-    lines += fpm.markdown(results)
-    lines += fpm_publish.markdown(results)
-    lines += weights.markdown(results)
-    if results.get("notes"):
-        lines += [""] + [f"- {n}" for n in results["notes"]]
-    return "\n".join(lines) + "\n"
 
 
 # -- main ----------------------------------------------------------------------------------
