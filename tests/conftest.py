@@ -11,6 +11,10 @@ from collections.abc import Iterator
 import pytest
 from serving import ServeProcess, base_env
 
+# Registered here, once for the session: a module that imports these fixtures itself gets
+# instances of its own (pytest scopes an imported fixture to the module that imports it).
+from weights_fixtures import checkpoints, weights_server  # noqa: F401
+
 
 @pytest.fixture(scope="session")
 def serve_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:

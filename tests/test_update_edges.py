@@ -24,7 +24,7 @@ import pytest
 from google.longrunning import operations_pb2
 from google.protobuf import duration_pb2
 from serving import ServeProcess
-from test_weight_update import Stubs, error_info
+from weight_update_fixtures import Stubs, error_info
 from weights_fixtures import Checkpoints, checkpoints, weights_server  # noqa: F401
 
 from enginectl.client import TrainerClient

@@ -1,7 +1,9 @@
 """Shared fixtures for weight-update tests: two tiny checkpoints and a server that may load them.
 
-Import the fixtures into a test module (`from weights_fixtures import checkpoints,
-weights_server`) so pytest registers them there. Runs in the pytest process.
+tests/conftest.py registers `checkpoints` and `weights_server` for the whole session (one
+server). A module that imports them itself (`from weights_fixtures import weights_server`)
+gets its own instances: pytest registers an imported fixture per module, so do that only for
+a module that needs a server of its own. Runs in the pytest process.
 
 - `checkpoints` (session): A is a copy of the embedded default model (the weights every
   server starts with), B the same files with every tensor perturbed (seeded), both under one
