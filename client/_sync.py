@@ -12,6 +12,7 @@ managers. Imports neither torch nor vLLM.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import threading
@@ -46,7 +47,19 @@ async def _aclose(stream: AsyncIterator[Any]) -> None:
         await aclose()
 
 
-async def _cancel(started: list[asyncio.Task[Any]]) -> None:
+def _settle(future: concurrent.futures.Future[T], task: asyncio.Future[T]) -> None:
+    """Hand the outcome of `task` (on the loop) to the caller's `future` (any thread)."""
+    if future.done():
+        return
+    if task.cancelled():
+        future.cancel()
+    elif (error := task.exception()) is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(task.result())
+
+
+async def _cancel(started: list[asyncio.Future[Any]]) -> None:
     """Cancel the task of an abandoned `run` and wait until it has finished."""
     for task in started:
         task.cancel()
@@ -85,21 +98,25 @@ class LoopThread:
                 if self._closing
                 else "a blocking client method was called on its own event loop; use the async client"
             )
-        started: list[asyncio.Task[Any]] = []
+        # The result crosses threads through `future`, made before anything is scheduled, so a
+        # KeyboardInterrupt at any point of this method still finds the task to cancel: the
+        # loop runs callbacks in order, so `start` has run before `_cancel` does.
+        started: list[asyncio.Future[T]] = []
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
-        async def tracked() -> T:
-            task = asyncio.current_task()
-            if task is not None:
-                started.append(task)
-            return await awaitable
+        def start() -> None:
+            task = asyncio.ensure_future(awaitable)
+            started.append(task)
+            task.add_done_callback(functools.partial(_settle, future))
 
-        future = asyncio.run_coroutine_threadsafe(tracked(), self._loop)
         try:
+            self._loop.call_soon_threadsafe(start)
             return future.result(timeout)
         except BaseException:
             if not future.done():
-                # The loop runs callbacks in order: `tracked` has started before `_cancel` does.
                 asyncio.run_coroutine_threadsafe(_cancel(started), self._loop).result()
+                if not started and isinstance(awaitable, Coroutine):
+                    awaitable.close()  # interrupted before it was scheduled: it never runs
             raise
 
     def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
