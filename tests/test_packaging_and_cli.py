@@ -85,7 +85,8 @@ def test_cli_version_watch_prints_each_change_until_interrupted(server: ServePro
             got = json.loads(proc.stdout.readline())
             assert (got["version"], got["revision"]) == (second.version, second.revision)
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=60) == 130, proc.stderr and proc.stderr.read()  # the stream is cancelled, not waited out
+            # The stream is cancelled, not waited out.
+            assert proc.wait(timeout=60) == 130, proc.stderr and proc.stderr.read()
             assert proc.stderr is not None and "Traceback" not in proc.stderr.read()
         finally:
             if proc.poll() is None:
