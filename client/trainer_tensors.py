@@ -13,22 +13,9 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from enginectl.common import dtypes
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
-DTYPES = {
-    "float32": pb2.TENSOR_DTYPE_FLOAT32,
-    "float16": pb2.TENSOR_DTYPE_FLOAT16,
-    "bfloat16": pb2.TENSOR_DTYPE_BFLOAT16,
-    "float64": pb2.TENSOR_DTYPE_FLOAT64,
-    "int8": pb2.TENSOR_DTYPE_INT8,
-    "int16": pb2.TENSOR_DTYPE_INT16,
-    "int32": pb2.TENSOR_DTYPE_INT32,
-    "int64": pb2.TENSOR_DTYPE_INT64,
-    "uint8": pb2.TENSOR_DTYPE_UINT8,
-    "bool": pb2.TENSOR_DTYPE_BOOL,
-    "float8_e4m3fn": pb2.TENSOR_DTYPE_FLOAT8_E4M3FN,
-    "float8_e5m2": pb2.TENSOR_DTYPE_FLOAT8_E5M2,
-}
 BACKENDS = {"gloo": pb2.GROUP_BACKEND_GLOO, "nccl": pb2.GROUP_BACKEND_NCCL}
 
 # Anything naming tensors: an nn.Module, a state dict, or (name, tensor) pairs.
@@ -56,9 +43,10 @@ def named_tensors(source: TensorSource, device: str = "cpu") -> list[tuple[str, 
 def tensor_spec(name: str, tensor: Any) -> pb2.TensorSpec:
     """The TensorSpec (checkpoint name, dtype as sent, full shape) of one tensor."""
     dtype = str(tensor.dtype).removeprefix("torch.")
-    if dtype not in DTYPES:
-        raise TypeError(f"{name!r}: dtype {dtype} can not be sent (known: {', '.join(DTYPES)})")
-    return pb2.TensorSpec(name=name, dtype=DTYPES[dtype], shape=list(tensor.shape))
+    known = dtypes.BY_NAME.get(dtype)
+    if known is None:
+        raise TypeError(f"{name!r}: dtype {dtype} can not be sent (known: {', '.join(dtypes.BY_NAME)})")
+    return pb2.TensorSpec(name=name, dtype=known.proto, shape=list(tensor.shape))
 
 
 def raw_bytes(tensor: Any) -> memoryview:

@@ -16,7 +16,7 @@ from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 @dataclass(frozen=True)
 class Dtype:
     name: str  # torch's name without "torch.", e.g. "bfloat16"
-    proto: int  # enginectl.weights.v1.TensorDtype
+    proto: pb2.TensorDtype.ValueType
     safetensors: str  # the dtype code in a safetensors header, e.g. "BF16"
     itemsize: int
     floating: bool
