@@ -1,0 +1,193 @@
+"""What `enginectl serve` reads before anything starts: its flags (vLLM's plus enginectl's),
+the embedded model's defaults, the token and TLS files, logging, and a free gRPC port.
+
+Pure configuration, no state: server/serve.py runs the process from what this returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+if TYPE_CHECKING:
+    from enginectl.server.grpc_server import TlsConfig
+
+DEFAULT_GRPC_PORT = 50051
+TOKEN_ENV = "ENGINECTL_TOKEN"
+# vLLM flags that suit the embedded tiny model on any machine; explicit flags still win.
+DEFAULT_MODEL_FLAGS = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--kv-cache-memory-bytes",
+    str(64 * 1024 * 1024),
+    "--max-num-seqs",
+    "8",
+    "--seed",
+    "0",
+    "--enforce-eager",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """vLLM's `serve` parser, plus the control plane's flags."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(
+        FlexibleArgumentParser(
+            prog="enginectl serve",
+            description="Serve a vLLM engine with its OpenAI-compatible HTTP API and the enginectl "
+            "gRPC control plane, in one process. Every vLLM engine flag is accepted.",
+        )
+    )
+    # vLLM's --grpc-port belongs to its Rust frontend, which enginectl does not start; the
+    # flag is ours here, and is cleared before vLLM validates its arguments.
+    for action in parser._actions:
+        if "--grpc-port" in action.option_strings:
+            action.default = DEFAULT_GRPC_PORT
+            action.help = f"Port of the enginectl gRPC control plane (default {DEFAULT_GRPC_PORT}; 0 picks a free one)."
+    parser.set_defaults(host="127.0.0.1", model=None)
+    group = parser.add_argument_group("enginectl")
+    group.add_argument(
+        "--http-port",
+        dest="port",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="Port of vLLM's HTTP API (alias of --port; default 8000; 0 picks a free one).",
+    )
+    group.add_argument(
+        "--grpc-host", default="127.0.0.1", help="Address the gRPC control plane binds (default 127.0.0.1)."
+    )
+    group.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help=f"File holding the bearer token required by mutating RPCs (or set ${TOKEN_ENV}).",
+    )
+    group.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve gRPC over TLS.")
+    group.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert.")
+    group.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        default=None,
+        help="PEM CA bundle: require client certificates signed by it (mTLS).",
+    )
+    group.add_argument(
+        "--insecure", action="store_true", help="Allow a non-loopback gRPC address with neither token nor TLS."
+    )
+    group.add_argument("--log-json", action="store_true", help="Log enginectl events as JSON lines.")
+    group.add_argument(
+        "--log-rpc-reads",
+        action="store_true",
+        help="Also log successful read RPCs (Get*, Watch*, health); mutations and failures are always logged.",
+    )
+    from enginectl.server.fpm.relay_zmq import add_fpm_relay_args
+
+    add_fpm_relay_args(group)
+    from enginectl.server.fpm.identity_gate import add_identity_args
+
+    add_identity_args(group)
+    from enginectl.server.weights.update_service import add_weight_update_args
+
+    add_weight_update_args(group)
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag:
+        args.model = args.model_tag
+    if args.model is None:
+        from enginectl.server.default_model import ensure_default_model
+
+        model = ensure_default_model()
+        args = parser.parse_args(["--model", str(model), *DEFAULT_MODEL_FLAGS, *argv])
+    return args
+
+
+def configure_logging(json_lines: bool) -> None:
+    renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        # One write per line (print() writes the newline separately, so a line of vLLM's or of
+        # another thread could land in between and break the JSON line).
+        logger_factory=structlog.WriteLoggerFactory(sys.stdout),
+        cache_logger_on_first_use=True,
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_token(args: argparse.Namespace) -> str | None:
+    if args.token_file is not None:
+        token = args.token_file.read_text().strip()
+        if not token:
+            raise SystemExit(f"enginectl serve: {args.token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def load_tls(args: argparse.Namespace) -> TlsConfig | None:
+    from enginectl.server.grpc_server import TlsConfig
+
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            raise SystemExit("enginectl serve: --tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise SystemExit("enginectl serve: --tls-cert and --tls-key go together")
+    return TlsConfig(
+        cert_chain=args.tls_cert.read_bytes(),
+        private_key=args.tls_key.read_bytes(),
+        client_ca=args.tls_client_ca.read_bytes() if args.tls_client_ca else None,
+    )
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the engine's long start if the gRPC port is already taken."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise SystemExit(f"enginectl serve: gRPC port {host}:{port} is not available: {exc}") from None
+
+
+def security(args: argparse.Namespace) -> tuple[str | None, TlsConfig | None]:
+    """The bearer token and TLS config the flags ask for. Refuses to expose gRPC beyond
+    loopback with neither, unless --insecure."""
+    token, tls = load_token(args), load_tls(args)
+    if not _is_loopback(args.grpc_host) and token is None and tls is None and not args.insecure:
+        raise SystemExit(
+            f"enginectl serve: refusing to serve gRPC on non-loopback {args.grpc_host} with neither "
+            f"a token (--token-file / ${TOKEN_ENV}) nor TLS (--tls-cert); pass --insecure to override"
+        )
+    return token, tls
