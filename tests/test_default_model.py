@@ -130,6 +130,8 @@ def test_replaces_debris_from_crashed_build(tmp_path: Path, model_dir: Path) -> 
 
 
 def test_cache_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The environment is this function's real input: monkeypatch only sets the variables for
+    # this test and restores them after (nothing is faked).
     monkeypatch.delenv("ENGINECTL_CACHE_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
