@@ -42,6 +42,12 @@ def read(kind: type[T], value: Any) -> T:
 
 # --- names ---------------------------------------------------------------------------------
 
+# The weight-version label vLLM stamps on generated tokens (RequestOutput.weight_versions)
+# while the server declares no version: at start (instead of vLLM's own "default", which a
+# caller may declare), after an update that named no version and after one that failed part
+# way. The ledger refuses an empty version, so this label never means a declared one.
+UNDECLARED_LABEL: Final = ""
+
 
 class VllmUtility(str, enum.Enum):
     """vLLM's own EngineCore utilities the server calls on every rank."""

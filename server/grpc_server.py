@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from enginectl.server.engine import EngineInfo
     from enginectl.server.fpm.identity import IdentitySync
     from enginectl.server.metrics import ControlPlaneMetrics
+    from enginectl.server.rollouts import RolloutService
     from enginectl.server.weights.updates import WeightUpdates
 
 
@@ -113,6 +114,8 @@ class ControlPlaneServer:
         identity: IdentitySync | None = None,
         updates: WeightUpdates | None = None,
         operations: OperationStore | None = None,
+        rollouts: RolloutService | None = None,
+        token_guards_rollouts: bool = False,
     ) -> None:
         self.ledger = ledger
         self.updates = updates
@@ -125,6 +128,8 @@ class ControlPlaneServer:
             token=BearerToken(token) if token else None,
             log_reads=log_reads,
             on_done=metrics.rpc_done if metrics else None,
+            open_methods=rollouts.open(token_guards_rollouts) if rollouts else frozenset(),
+            guarded_methods=rollouts.guarded(token_guards_rollouts) if rollouts else frozenset(),
         )
         self._server = grpc.aio.server(
             interceptors=[interceptor],
@@ -183,6 +188,9 @@ class ControlPlaneServer:
             completed.append((name, add, cls))
             self.service_names.append(descriptor.full_name)
             self.supported_rpcs.extend(implemented)
+        if rollouts is not None:  # vLLM's VllmEngine (server/rollouts.py): rollouts on this port
+            self.service_names.append(rollouts.name)
+            self.supported_rpcs.extend(rollouts.rpcs)
         # Constructor arguments, once supported_rpcs (part of GetServerInfo) is known.
         arguments: dict[str, tuple[Any, ...]] = {
             "WeightVersionService": (ledger, updates),
@@ -194,6 +202,8 @@ class ControlPlaneServer:
             arguments["FpmIdentityService"] = (identity,)
         for name, add, cls in completed:
             add(cls(*arguments.get(name, ())), self._server)
+        if rollouts is not None:
+            rollouts.add_to_server(self._server, ledger)
         reflection.enable_server_reflection(
             (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )

@@ -27,7 +27,7 @@ log = structlog.get_logger("enginectl.rpc")
 REQUEST_ID_HEADER = "x-request-id"
 # Methods whose name starts with one of these only read state; everything else of ours
 # mutates and needs the token. Default-deny: a new RPC is guarded until listed here.
-READ_ONLY_PREFIXES = ("Get", "List", "Watch", "Stream", "Wait", "Verify")
+READ_ONLY_PREFIXES = ("Get", "List", "Watch", "Stream", "Wait", "Verify", "Subscribe", "HealthCheck")
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 # While a read-only RPC of a server with a token runs: whether the call carried that token.
@@ -150,7 +150,8 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
     - once `refuse` was called (the engine died), answer every RPC but health and reflection
       with that error, reads included: this is the one place that keeps a server whose
       engine is gone from claiming a version for weights that no longer exist;
-    - require the bearer token on mutating RPCs, when the server has one;
+    - require the bearer token, when the server has one, on mutating RPCs but `open_methods`
+      and on `guarded_methods`;
     - answer a request that does not parse with INVALID_ARGUMENT MALFORMED_REQUEST;
     - turn a ControlPlaneError into a google.rpc.Status (ErrorInfo + BadRequest);
     - log it: every mutating RPC and every failure (refusals included) with rpc, request id,
@@ -166,8 +167,14 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         token: BearerToken | None = None,
         log_reads: bool = False,
         on_done: Callable[[str, str], None] | None = None,
+        open_methods: frozenset[str] = frozenset(),
+        guarded_methods: frozenset[str] = frozenset(),
     ) -> None:
         self._token = token
+        # "/pkg.Service/Method" names that need no token though they are not reads (vLLM's
+        # Generate: the data plane), and reads that need it all the same (server/rollouts.py).
+        self._open = open_methods
+        self._guarded = guarded_methods
         self._log_reads = log_reads
         self._on_done = on_done  # (rpc, code) of every finished call, e.g. a metrics counter
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
@@ -205,10 +212,11 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         read_only = is_read_only(method)
         log_success = self._log_reads or not read_only
         on_done = self._on_done
-        token = None if read_only else self._token
+        needs_token = method in self._guarded or (not read_only and method not in self._open)
+        token = self._token if needs_token else None
         refused: Callable[[], ControlPlaneError | None] = _never if method.startswith(OPEN_SERVICES) else self._refused
         behavior = inner
-        if read_only and self._token is not None:
+        if read_only and not needs_token and self._token is not None:
             identify = self._token  # open, but the servicer may show the token's holder more
             if inspect.isasyncgenfunction(inner):
 

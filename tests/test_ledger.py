@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from enginectl.client.errors import Reason
+from enginectl.contract.engine import UNDECLARED_LABEL
 from enginectl.server.errors import ControlPlaneError
 from enginectl.server.weights.ledger import Failure, LedgerClosed, WeightSource, WeightVersionLedger
 
@@ -204,9 +205,19 @@ async def test_update_records_through_the_write_lock_and_a_failure_leaves_no_lab
     async with ledger.writing():  # new weights without a version: no label, the failure is repaired
         repaired = await ledger.record_update(None, WeightSource.DISK, None)
     assert (repaired.declared, repaired.version, repaired.last_failure, repaired.revision) == (False, None, None, 1)
-    assert published == ["step-1"]
+    assert published == ["step-1", UNDECLARED_LABEL]  # tokens of the new weights name no version
     with pytest.raises(AssertionError):
         ledger.record_failure(failure)  # only under the write lock
+
+
+async def test_revision_of_names_the_latest_declaration_of_a_version() -> None:
+    ledger = WeightVersionLedger(revisions_limit=2)
+    for version in ("a", "b", "a"):
+        await ledger.declare(version)
+    assert (ledger.revision_of("a"), ledger.revision_of("b")) == (3, 2)
+    await ledger.declare("c")  # only the newest two versions are kept
+    assert (ledger.revision_of("a"), ledger.revision_of("b"), ledger.revision_of("c")) == (3, None, 4)
+    assert ledger.revision_of("never") is None
 
 
 async def test_no_declaration_over_mixed_weights_until_an_update_succeeds() -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from enginectl.common.vocabulary import WeightSource
+from enginectl.contract.engine import UNDECLARED_LABEL
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, out_of_range
 from enginectl.server.limits import MAX_REQUEST_ID_BYTES, MAX_VERSION_BYTES, LabelProblem, label_problem
 
@@ -98,6 +99,7 @@ class WeightVersionLedger:
         clock: Callable[[], float] = time.time,
         history_limit: int = 1024,
         request_id_limit: int = 10_000,
+        revisions_limit: int = 4096,
     ) -> None:
         self._publish = publish
         self._fingerprint = fingerprint
@@ -120,6 +122,10 @@ class WeightVersionLedger:
         # request_id -> ((version, etag), answer); oldest evicted first.
         self._answers: OrderedDict[str, tuple[tuple[str, str], VersionState]] = OrderedDict()
         self._request_id_limit = request_id_limit
+        # version -> revision of its latest declaration (newest kept): what a generation that
+        # ran under `version` reports as its revision (server/rollouts.py).
+        self._revisions: OrderedDict[str, int] = OrderedDict()
+        self._revisions_limit = revisions_limit
         self._changed = asyncio.Event()
         self._closed = False
         self._close_cause = (Reason.SHUTTING_DOWN, "server is shutting down")
@@ -128,6 +134,11 @@ class WeightVersionLedger:
     def state(self) -> VersionState:
         """The current state. Reading never waits for a writer."""
         return self._state
+
+    def revision_of(self, version: str) -> int | None:
+        """The revision of the latest declaration of `version`, if it is among the newest
+        declarations kept."""
+        return self._revisions.get(version)
 
     @property
     def incarnation(self) -> str:
@@ -230,6 +241,8 @@ class WeightVersionLedger:
         `published`: the caller already handed `version` to the engine."""
         assert self._write_lock.locked(), "record_update needs the write lock"
         if version is None:
+            if self._publish is not None and not published:
+                await self._publish(UNDECLARED_LABEL)
             return self._commit(
                 declared=False,
                 version=None,
@@ -265,6 +278,11 @@ class WeightVersionLedger:
     def _commit(self, **changes: object) -> VersionState:
         change = self._state.change + 1
         self._state = replace(self._state, change=change, etag=self._etag(change), **changes)  # type: ignore[arg-type]
+        if self._state.declared and self._state.version is not None:
+            self._revisions[self._state.version] = self._state.revision
+            self._revisions.move_to_end(self._state.version)
+            if len(self._revisions) > self._revisions_limit:
+                self._revisions.popitem(last=False)
         self._history.append(self._state)
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()

@@ -1,0 +1,277 @@
+"""Rollouts over gRPC on the control port: vLLM's `VllmEngine` service on the enginectl server,
+every Generate ending with the weight version(s) its tokens were generated under.
+
+Runs in the `enginectl serve` process. The service is vLLM's own servicer (`VllmEngineServicer`
+of the `smg-grpc-servicer` package, the service the SMG gateway routes), built over the same
+AsyncLLM. It runs where AsyncLLM and vLLM's HTTP server run, on the engine's loop; the gRPC
+server lives on the control loop (server/control_loop.py). `RolloutRelay` carries each call
+across: the request and the caller's cancellation to the engine's loop, responses and the
+final status back. Nothing here touches weights or kernels.
+
+Which weights produced the tokens: vLLM stamps every generated token with the label the
+server last set on each EngineCore (the declared version, or UNDECLARED_LABEL) and reports
+the spans on each finished completion (`CompletionOutput.weight_versions`). `_Recorder`
+collects them for the call being relayed; the relay ends Generate with them as trailing
+metadata (common/rollout_trailers.py, docs/rollouts.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextvars
+import importlib.util
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import structlog
+
+from enginectl.common.rollout_trailers import DECLARED_TRAILER, REVISION_TRAILER, VERSIONS_TRAILER, encode_versions
+from enginectl.contract.engine import UNDECLARED_LABEL
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from enginectl.server.weights.ledger import WeightVersionLedger
+
+log = structlog.get_logger("enginectl.rollouts")
+
+SERVICE = "vllm.grpc.engine.VllmEngine"
+# Rollout RPCs that change what the engine serves or costs it: guarded by the token whenever
+# the server has one. Generation itself is the data plane, open unless the operator asks.
+ADMIN_RPCS = ("FlushCache", "StartProfile", "StopProfile")
+
+# The labels of the call being relayed, appended by `_Recorder.generate` on the engine's loop.
+_labels: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("enginectl_rollout_labels", default=None)
+
+
+def available() -> bool:
+    """Whether vLLM's gRPC servicer is installed (the server extras install it)."""
+    return importlib.util.find_spec("smg_grpc_servicer") is not None
+
+
+def add_rollout_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--no-grpc-rollouts",
+        dest="grpc_rollouts",
+        action="store_false",
+        help=f"Do not serve vLLM's gRPC engine service ({SERVICE}: Generate, Abort, ...) on the "
+        "control port (served by default when smg-grpc-servicer is installed).",
+    )
+    group.add_argument(
+        "--token-guards-rollouts",
+        action="store_true",
+        help=f"Require the bearer token for every {SERVICE} RPC, generation and reads included "
+        "(by default only its admin RPCs need it: generation is the data plane).",
+    )
+
+
+def weight_trailers(labels: list[str], ledger: WeightVersionLedger) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata for a generation whose tokens carried `labels` (in order; [] when it
+    generated no token: then the ledger's state now stands for it)."""
+    if not labels:
+        state = ledger.state
+        labels = [state.version if state.declared and state.version is not None else UNDECLARED_LABEL]
+    declared = [label for label in labels if label != UNDECLARED_LABEL]
+    whole = "true" if len(declared) == len(labels) else "false" if not declared else "partial"
+    trailers = [(DECLARED_TRAILER, whole)]
+    if declared:
+        trailers.append((VERSIONS_TRAILER, encode_versions(declared)))
+    revision = ledger.revision_of(labels[-1]) if labels[-1] != UNDECLARED_LABEL else None
+    if revision is not None:
+        trailers.append((REVISION_TRAILER, str(revision)))
+    return tuple(trailers)
+
+
+class _Recorder:
+    """The AsyncLLM vLLM's servicer sees: the engine itself, except that `generate` also
+    records the weight-version labels of each finished completion for the relayed call."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self._llm = llm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        labels = _labels.get()
+        async for output in self._llm.generate(*args, **kwargs):
+            if labels is not None:
+                for completion in output.outputs:
+                    for span in completion.weight_versions or ():
+                        if not labels or labels[-1] != span.version:
+                            labels.append(span.version)
+            yield output
+
+
+class _Aborted(Exception):
+    """vLLM's servicer ended the call with a status (its `context.abort`)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _Context:
+    """The servicer context vLLM's servicer gets on the engine's loop: what it reads of the
+    call, taken on the control loop beforehand; `abort` ends the relayed call."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self.code: grpc.StatusCode | None = None  # set_code/set_details: applied on return
+        self.details = ""
+        self._metadata = tuple(context.invocation_metadata() or ())
+        self._peer = context.peer()
+        self._deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
+
+    def invocation_metadata(self) -> tuple[Any, ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        raise _Aborted(code, details)
+
+    def apply(self, context: grpc.aio.ServicerContext) -> None:
+        """Hand a status set with set_code/set_details to the real call."""
+        if self.code is not None:
+            context.set_code(self.code)
+            context.set_details(self.details)
+
+
+_END = object()
+
+
+class RolloutRelay:
+    """The `VllmEngine` servicer on the control loop: each RPC runs vLLM's servicer on the
+    engine's loop and relays its answer; Generate adds the weight-version trailers."""
+
+    def __init__(self, servicer: Any, engine_loop: asyncio.AbstractEventLoop, ledger: WeightVersionLedger) -> None:
+        self._servicer = servicer
+        self._engine_loop = engine_loop
+        self._ledger = ledger
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        labels: list[str] = []
+        async for response in self._stream("Generate", request, context, labels):
+            yield response
+        context.set_trailing_metadata(weight_trailers(labels, self._ledger))
+
+    async def _unary(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        call, shim = getattr(self._servicer, method), _Context(context)
+        future = asyncio.run_coroutine_threadsafe(call(request, shim), self._engine_loop)
+        try:
+            answer = await asyncio.wrap_future(future)
+        except _Aborted as aborted:
+            await context.abort(aborted.code, aborted.details)
+        shim.apply(context)
+        return answer
+
+    async def _stream(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext, labels: list[str] | None = None
+    ) -> AsyncIterator[Any]:
+        control_loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        call = getattr(self._servicer, method)
+        shim = _Context(context)
+
+        async def pump() -> None:  # on the engine's loop
+            _labels.set(labels)
+            try:
+                async for item in call(request, shim):
+                    control_loop.call_soon_threadsafe(queue.put_nowait, item)
+            except BaseException as exc:
+                control_loop.call_soon_threadsafe(queue.put_nowait, exc)
+                raise
+            control_loop.call_soon_threadsafe(queue.put_nowait, _END)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._engine_loop)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    shim.apply(context)
+                    return
+                if isinstance(item, _Aborted):
+                    await context.abort(item.code, item.details)
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            future.cancel()  # the caller went away: vLLM aborts the request
+
+
+def _relay_method(name: str, streaming: bool) -> Callable[..., Any]:
+    if streaming:
+
+        async def stream(self: RolloutRelay, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for item in self._stream(name, request, context):
+                yield item
+
+        return stream
+
+    async def unary(self: RolloutRelay, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary(name, request, context)
+
+    return unary
+
+
+def _complete_relay() -> type[RolloutRelay]:
+    """RolloutRelay with a relaying method for every RPC of the service it does not define."""
+    from smg_grpc_proto import vllm_engine_pb2
+
+    methods = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].methods
+    missing = {m.name: _relay_method(m.name, m.server_streaming) for m in methods if not hasattr(RolloutRelay, m.name)}
+    return type("VllmEngineRelay", (RolloutRelay,), missing)
+
+
+class RolloutService:
+    """vLLM's `VllmEngine` service for the control plane's server (server/grpc_server.py)."""
+
+    name = SERVICE
+
+    def __init__(self, llm: AsyncLLM, engine_loop: asyncio.AbstractEventLoop, *, log_requests: bool = False) -> None:
+        from smg_grpc_proto import vllm_engine_pb2
+        from smg_grpc_servicer.vllm import VllmEngineServicer
+
+        self.descriptor = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"]
+        self._servicer = VllmEngineServicer(_Recorder(llm), time.time())
+        # Its per-request INFO line only with vLLM's --enable-log-requests, like vLLM's HTTP API.
+        logging.getLogger("smg_grpc_servicer").setLevel(logging.INFO if log_requests else logging.WARNING)
+        self._engine_loop = engine_loop
+
+    @property
+    def rpcs(self) -> list[str]:
+        """Full names ("pkg.Service/Method") of the service's RPCs."""
+        return [f"{SERVICE}/{method.name}" for method in self.descriptor.methods]
+
+    def guarded(self, guard_all: bool) -> frozenset[str]:
+        """Methods ("/pkg.Service/Method") that need the token when the server has one."""
+        names = [m.name for m in self.descriptor.methods if guard_all or m.name in ADMIN_RPCS]
+        return frozenset(f"/{SERVICE}/{name}" for name in names)
+
+    def open(self, guard_all: bool) -> frozenset[str]:
+        """Methods that need no token even though they are not reads (generation)."""
+        if guard_all:
+            return frozenset()
+        return frozenset(f"/{SERVICE}/{m.name}" for m in self.descriptor.methods) - self.guarded(False)
+
+    def add_to_server(self, server: grpc.aio.Server, ledger: WeightVersionLedger) -> None:
+        from smg_grpc_proto import vllm_engine_pb2_grpc
+
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+            _complete_relay()(self._servicer, self._engine_loop, ledger), server
+        )
