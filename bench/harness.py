@@ -230,7 +230,13 @@ class ServeProcess:
 
     @property
     def model(self) -> str:
+        """The served model's path."""
         return str(self.serving["model"])
+
+    @property
+    def served_model(self) -> str:
+        """What an HTTP request names as its "model" (vLLM's --served-model-name)."""
+        return str(self.serving.get("served_model_name") or self.serving["model"])
 
     def descendants(self) -> list[psutil.Process]:
         assert self.proc is not None

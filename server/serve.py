@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from enginectl.server.fpm.identity_gate import IdentityGate
     from enginectl.server.fpm.relay_zmq import FpmRelayHost
     from enginectl.server.grpc_server import ControlPlaneServer, TlsConfig
+    from enginectl.server.rollouts import RolloutService
     from enginectl.server.weights.ledger import Fingerprint
 
 from enginectl.server.serve_args import check_port_free, configure_logging, parse_args, security
@@ -85,8 +86,11 @@ async def _start_plane(
     fpm: FpmRelayHost | None = None,
     identity: IdentityGate | None = None,
     weight_roots: list[Path] | None = None,
+    rollouts: RolloutService | None = None,
+    token_guards_rollouts: bool = False,
 ) -> tuple[ControlPlaneServer, int]:
     """Build and start the gRPC server; runs on the control loop, which then owns it."""
+    from enginectl.contract.engine import UNDECLARED_LABEL
     from enginectl.server.grpc_server import ControlPlaneServer
     from enginectl.server.metrics import ControlPlaneMetrics
     from enginectl.server.weights.disk import checkpoint_tensors
@@ -106,10 +110,17 @@ async def _start_plane(
         incarnation=identity.incarnation if identity else None,
     )
     operations = OperationStore()
+    await engine.set_weight_version(UNDECLARED_LABEL)  # not vLLM's "default", which can be declared
     expected = await asyncio.to_thread(checkpoint_tensors, engine.info.model)
     metrics = ControlPlaneMetrics(ledger)
     updates = WeightUpdates(
-        engine, ledger, operations, allowed_roots=weight_roots or [], expected=expected, on_finished=metrics.update_done
+        engine,
+        ledger,
+        operations,
+        allowed_roots=weight_roots or [],
+        expected=expected,
+        on_finished=metrics.update_done,
+        on_pause=metrics.pause_changed,
     )
     await updates.prepare()  # milliseconds
     plane = ControlPlaneServer(
@@ -120,9 +131,11 @@ async def _start_plane(
         log_reads=log_reads,
         metrics=metrics,
         fpm_relay=fpm.start(ledger) if fpm else None,
-        identity=identity.sync(engine) if identity else None,
+        identity=identity.sync(engine, on_synced=metrics.identity_synced) if identity else None,
         updates=updates,
         operations=operations,
+        rollouts=rollouts,
+        token_guards_rollouts=token_guards_rollouts,
     )
     await plane.set_serving(False)  # SERVING only once HTTP is up (and, if awaited, the identity)
     try:
@@ -169,6 +182,47 @@ def _start_exit_backstop(exit_code: int) -> None:
     timer.start()
 
 
+def _rollout_service(
+    args: argparse.Namespace, engine: EngineAdapter, loop: asyncio.AbstractEventLoop
+) -> RolloutService | None:
+    """vLLM's gRPC engine service over this engine, unless turned off or not installed."""
+    from enginectl.server.rollouts import RolloutService, available
+
+    if not args.grpc_rollouts:
+        return None
+    if not available():
+        log.warning(
+            "grpc_rollouts_off", reason="smg-grpc-servicer is not installed", fix="pip install smg-grpc-servicer"
+        )
+        return None
+    return RolloutService(engine.client, loop, log_requests=bool(getattr(args, "enable_log_requests", False)))
+
+
+async def _start_engine(args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -> EngineAdapter:
+    """Start vLLM's engine between a `starting engine` and an `engine ready` line. A KV-cache
+    size chosen for the user (serve_args.parse_args) is announced first, and a start that
+    fails with it names the flag that sets it."""
+    from enginectl.server.engine import EngineAdapter
+
+    kv_default = getattr(args, "kv_cache_default", None)
+    if kv_default is not None:
+        log.info("kv cache default", **kv_default.describe())
+    log.info("starting engine", model=args.model, dp_size=args.data_parallel_size)
+    began = time.monotonic()
+    try:
+        engine = await asyncio.to_thread(EngineAdapter.start, args, loop)
+    except Exception:
+        if kv_default is not None:
+            log.error(
+                "engine start failed",
+                kv_cache_memory_bytes=kv_default.bytes_per_worker,
+                hint="the KV cache size above was a default: set --kv-cache-memory-bytes, or lower --max-model-len",
+            )
+        raise
+    log.info("engine ready", took_s=round(time.monotonic() - began, 1))
+    return engine
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM/SIGINT (or the engine dies); returns the exit code."""
     import vllm.envs as envs
@@ -179,7 +233,7 @@ async def serve(args: argparse.Namespace) -> int:
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
 
     from enginectl.server.control_loop import ControlLoop
-    from enginectl.server.engine import EngineAdapter, adopt_orphans
+    from enginectl.server.engine import adopt_orphans
     from enginectl.server.fpm.identity_gate import configure_identity
     from enginectl.server.fpm.relay_zmq import FpmRelayHost
     from enginectl.server.weights.update_service import allowed_roots, configure_engine_args
@@ -202,7 +256,7 @@ async def serve(args: argparse.Namespace) -> int:
     configure_engine_args(args)  # every worker gets enginectl's weight extension
     if not adopt_orphans():
         log.warning("not_a_subreaper", effect="a worker orphaned by a dead EngineCore may outlive this process")
-    engine = await asyncio.to_thread(EngineAdapter.start, args, loop)
+    engine = await _start_engine(args, loop)
     control = ControlLoop().start()
     plane: ControlPlaneServer | None = None
 
@@ -222,6 +276,7 @@ async def serve(args: argparse.Namespace) -> int:
         stop.set()
 
     engine.on_death(engine_died)
+    rollouts = _rollout_service(args, engine, loop)
     exit_code = 0
     try:
         try:
@@ -236,6 +291,8 @@ async def serve(args: argparse.Namespace) -> int:
                     fpm,
                     identity,
                     allowed_roots(args, engine.info.model),
+                    rollouts,
+                    args.token_guards_rollouts,
                 )
             )
         except StartupError as exc:
@@ -287,6 +344,7 @@ async def serve(args: argparse.Namespace) -> int:
                 http_host=args.host,
                 http_port=http_port,
                 model=engine.info.model,
+                served_model_name=engine.info.served_model_names[0],
                 dp_size=engine.info.data_parallel_size,
                 incarnation=started.ledger.incarnation,
                 auth=token is not None,

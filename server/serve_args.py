@@ -100,19 +100,35 @@ def build_parser() -> argparse.ArgumentParser:
     from enginectl.server.weights.update_service import add_weight_update_args
 
     add_weight_update_args(group)
+    from enginectl.server.rollouts import add_rollout_args
+
+    add_rollout_args(group)
     return parser
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The flags of a start. With no model, the embedded one with DEFAULT_MODEL_FLAGS, served
+    as SERVED_MODEL_NAME unless --served-model-name says otherwise. With the user's model on
+    vLLM's CPU build and no memory flag, a KV-cache size that fits the machine;
+    `args.kv_cache_default` says what was chosen (None if nothing was)."""
+    from enginectl.server.default_model import (
+        SERVED_MODEL_NAME,
+        cpu_kv_cache_default,
+        ensure_default_model,
+        memory_flags_unset,
+    )
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv, namespace=memory_flags_unset())
     if args.model_tag:
         args.model = args.model_tag
     if args.model is None:
-        from enginectl.server.default_model import ensure_default_model
-
         model = ensure_default_model()
-        args = parser.parse_args(["--model", str(model), *DEFAULT_MODEL_FLAGS, *argv])
+        name = [] if args.served_model_name else ["--served-model-name", SERVED_MODEL_NAME]
+        args = parser.parse_args(["--model", str(model), *DEFAULT_MODEL_FLAGS, *name, *argv])
+        args.kv_cache_default = None
+    else:
+        args.kv_cache_default = cpu_kv_cache_default(args, parser.get_default("gpu_memory_utilization"))
     return args
 
 

@@ -198,7 +198,7 @@ def expected_failure(cause: str, written: bool) -> tuple[grpc.StatusCode, str, s
 def generated(server: ServeProcess, n: int) -> list[int]:
     """The token ids of an `n`-token completion (EOS ignored: mixed weights may emit it)."""
     body = {
-        "model": server.model,
+        "model": server.served_model,
         "prompt": [1, 2, 3],
         "max_tokens": n,
         "temperature": 0,

@@ -164,7 +164,7 @@ def cold(serve_env: dict[str, str]) -> Iterator[ServeProcess]:
 def test_cold_start_every_sample_carries_the_worker_id_from_the_first(cold: ServeProcess) -> None:
     stream = SampleStream(cold.grpc_target)
     try:
-        generate(cold.http_url, cold.model)
+        generate(cold.http_url, cold.served_model)
         stream.wait_for(lambda s: has(s, 0, STEP, "w-cold", 1) and sum(x.kind == HEARTBEAT for x in s) >= 3)
         samples = list(stream.samples)
     finally:
@@ -217,7 +217,7 @@ def test_setting_the_held_identity_is_a_safe_retry_and_a_new_one_bumps_the_gener
     stream = SampleStream(cold.grpc_target)
     try:
         assert ranks(set_identity(cold.grpc_target, "w-cold-2")) == [(0, "w-cold-2", 2)]
-        generate(cold.http_url, cold.model)
+        generate(cold.http_url, cold.served_model)
         stream.wait_for(lambda s: has(s, 0, STEP, "w-cold-2", 2) and has(s, 0, HEARTBEAT, "w-cold-2", 2))
         after = [s for s in stream.samples if s.identity_generation == 2]
         assert after and all(s.worker_id == "w-cold-2" for s in after)

@@ -317,7 +317,7 @@ async def test_engine_steps_publish_samples_with_the_server_incarnation(
     stream, stamped by the relay."""
     call = stub.StreamForwardPassMetrics(request(dp_ranks=[0]))
     await first_progress(call)
-    body = json.dumps({"model": fpm_server.model, "prompt": "hello", "max_tokens": 4}).encode()
+    body = json.dumps({"model": fpm_server.served_model, "prompt": "hello", "max_tokens": 4}).encode()
     req = urllib.request.Request(
         f"{fpm_server.http_url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
     )

@@ -25,6 +25,7 @@ SERVICES = {
     "google.longrunning.Operations",
     "grpc.health.v1.Health",
     "grpc.reflection.v1alpha.ServerReflection",
+    "vllm.grpc.engine.VllmEngine",  # rollouts over gRPC (server/rollouts.py)
 }
 WV = "enginectl.weights.v1.WeightVersionService"
 SIGTERM_EXIT_BOUND_S = 60.0
@@ -184,8 +185,30 @@ def test_server_info_over_grpcurl_says_auth_is_required(blackbox: ServeProcess) 
     assert f"{WV}/SetWeightVersion" in info["supported_rpcs"]
 
 
+def test_grpc_rollouts_need_no_token_but_their_admin_rpcs_do(blackbox: ServeProcess) -> None:
+    """Generation is the data plane: open without a token (unless --token-guards-rollouts);
+    the trailers name the declared version. FlushCache changes what the engine serves: guarded."""
+    grpcurl_json(blackbox.grpc_target, f"{WV}/SetWeightVersion", data={"version": "rollout v1,ü"}, token=TOKEN)
+    data = {"request_id": "bb-1", "text": "Hello world", "sampling_params": {"max_tokens": 4, "temperature": 0}}
+    generated = grpcurl(blackbox.grpc_target, "vllm.grpc.engine.VllmEngine/Generate", data=data, flags=("-v",))
+    assert generated.returncode == 0, generated.stderr
+    assert '"finish_reason": "length"' in generated.stdout
+    trailers = generated.stdout.split("Response trailers received:", 1)[1]
+    assert "enginectl-weight-declared: true" in trailers
+    assert "enginectl-weight-versions: rollout%20v1%2C%C3%BC" in trailers
+    version = grpcurl_json(blackbox.grpc_target, f"{WV}/GetWeightVersion")["weight_version"]
+    assert f"enginectl-weight-revision: {version['revision']}" in trailers
+
+    refused = grpcurl(blackbox.grpc_target, "vllm.grpc.engine.VllmEngine/FlushCache")
+    assert "Code: Unauthenticated" in refused.stderr, refused.stderr
+    flushed = grpcurl_json(blackbox.grpc_target, "vllm.grpc.engine.VllmEngine/FlushCache", token=TOKEN)
+    assert flushed.get("success") is True, flushed
+
+
 def test_colocated_http_api_generates(blackbox: ServeProcess) -> None:
-    body = json.dumps({"model": blackbox.model, "prompt": "Hello world", "max_tokens": 8, "temperature": 0}).encode()
+    body = json.dumps(
+        {"model": blackbox.served_model, "prompt": "Hello world", "max_tokens": 8, "temperature": 0}
+    ).encode()
     request = urllib.request.Request(
         f"{blackbox.http_url}/v1/completions", data=body, headers={"content-type": "application/json"}
     )

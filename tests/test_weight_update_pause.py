@@ -41,7 +41,7 @@ class Streaming:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         body = {
-            "model": server.model,
+            "model": server.served_model,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,

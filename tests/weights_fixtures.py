@@ -84,7 +84,7 @@ def greedy_tokens(
 ) -> list[int]:
     """Token ids the server generates now for `prompt` (token ids) at temperature 0."""
     body = {
-        "model": server.model,
+        "model": server.served_model,
         "prompt": prompt or PROMPT,
         "max_tokens": max_tokens,
         "temperature": 0,
