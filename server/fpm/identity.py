@@ -105,14 +105,22 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 class IdentitySync:
     """One per server. `on_outcome(ok)` hears about every SetWorkerIdentity that reached the
-    ranks (True: all acked), e.g. to gate health in `--await-worker-id` mode."""
+    ranks (True: all acked), e.g. to gate health in `--await-worker-id` mode; `on_synced`
+    hears the same calls' result ("ok", "unchanged": a safe retry, or "failed"), e.g. to
+    count them."""
 
     def __init__(
-        self, engine: IdentityEngine, *, await_worker_id: bool = False, on_outcome: Callable[[bool], None] | None = None
+        self,
+        engine: IdentityEngine,
+        *,
+        await_worker_id: bool = False,
+        on_outcome: Callable[[bool], None] | None = None,
+        on_synced: Callable[[str], None] | None = None,
     ) -> None:
         self._engine = engine
         self.await_worker_id = await_worker_id
         self._on_outcome = on_outcome
+        self._on_synced = on_synced
         self._lock = asyncio.Lock()  # identity changes are applied one at a time
 
     async def get(self, timeout: float) -> IdentityReport:
@@ -145,7 +153,7 @@ class IdentitySync:
             if not failed and all(
                 (r.worker_id, r.identity_generation) == (worker_id, known[0].identity_generation) for r in known
             ):
-                self._report(True)  # every rank already holds it: a safe retry
+                self._report(True, "unchanged")  # every rank already holds it: a safe retry
                 return known
             if not failed:
                 acks = await self._engine.set_worker_identity(
@@ -155,14 +163,16 @@ class IdentitySync:
                 known = _acked(acks)
             else:
                 known = []  # nothing was set: no rank acked this change
-            self._report(not failed)
+            self._report(not failed, "failed" if failed else "ok")
             if failed:
                 raise _sync_failed(worker_id, generation, known, failed)
             return known
 
-    def _report(self, ok: bool) -> None:
+    def _report(self, ok: bool, result: str) -> None:
         if self._on_outcome is not None:
             self._on_outcome(ok)
+        if self._on_synced is not None:
+            self._on_synced(result)
 
 
 def _sync_failed(

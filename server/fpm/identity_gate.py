@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import secrets
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -101,9 +102,10 @@ class IdentityGate:
             incarnation=self.incarnation,
         )
 
-    def sync(self, engine: EngineAdapter) -> IdentitySync:
-        """The IdentitySync behind FpmIdentityService; build it on the control loop."""
-        return IdentitySync(engine, await_worker_id=self.await_worker_id, on_outcome=self.outcome)
+    def sync(self, engine: EngineAdapter, on_synced: Callable[[str], None] | None = None) -> IdentitySync:
+        """The IdentitySync behind FpmIdentityService; build it on the control loop.
+        `on_synced`: see IdentitySync (the metrics' counter)."""
+        return IdentitySync(engine, await_worker_id=self.await_worker_id, on_outcome=self.outcome, on_synced=on_synced)
 
     def outcome(self, ok: bool) -> None:
         """A SetWorkerIdentity reached the ranks: all acked (`ok`) or not. Thread-safe."""

@@ -129,10 +129,15 @@ class SampleRing:
 
     def append(self, sample: Sample, frame: bytes) -> Relayed:
         """Stamp `sample` (parsed from `frame`) with the next sequence and keep it."""
-        self.head += 1
-        sample.sequence = self.head
-        relayed = self._slots[self.head % self.size] = Relayed(sample, frame)
+        sequence = sample.sequence = self.head + 1
+        relayed = self._slots[sequence % self.size] = Relayed(sample, frame)
+        self.head = sequence  # after the slot: `newest` on another thread never sees it empty
         return relayed
+
+    def newest(self) -> Relayed | None:
+        """The newest sample kept, None while empty. Safe from another thread (a metrics
+        scrape): it may miss a sample appended meanwhile, never return an older one."""
+        return self._slots[self.head % self.size] if self.head else None
 
     def get(self, sequence: int) -> Relayed:
         """The sample with `sequence` (caller checks oldest <= sequence <= head)."""
@@ -276,6 +281,23 @@ class FpmRelay:
     @property
     def oldest(self) -> int:
         return self.ring.oldest
+
+    # Read at scrape time by server/metrics.py, on another thread: no locks, copies only.
+
+    @property
+    def subscribers(self) -> int:
+        """Open subscriptions, replaying or live."""
+        return len(self._subscriptions)
+
+    def backlog(self) -> int:
+        """Samples queued for the live subscription that is furthest behind (0 without one)."""
+        # tuple() copies the set in one step under the GIL while the loop may change it.
+        return max((len(s._queue) for s in tuple(self._live)), default=0)
+
+    def newest(self) -> Sample | None:
+        """The newest sample relayed, None before the first."""
+        relayed = self.ring.newest()
+        return relayed.sample if relayed is not None else None
 
     def accept(self, frame: bytes) -> Relayed | None:
         """Take one publisher frame (a serialized ForwardPassMetrics); returns the sample

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
@@ -74,8 +75,11 @@ def parse_pause_mode(field: str, mode: pb2.PauseMode.ValueType) -> str:
 class Generation:
     """The pause state of every rank as this server knows it, and the running update."""
 
-    def __init__(self, engine: PauseEngine, ranks: int) -> None:
+    def __init__(self, engine: PauseEngine, ranks: int, on_pause: Callable[[str | None], None] | None = None) -> None:
         self._engine = engine
+        # Hears every change between running and paused: who paused ("update" or "caller"),
+        # None on resume (the metrics' pause clock).
+        self._on_pause = on_pause
         self.caller_paused = False  # PauseGeneration holds generation (until ResumeGeneration)
         self.partial = False  # held paused after a partial update
         self.mode = ""  # the mode of the pause in effect ("" when running)
@@ -141,8 +145,9 @@ class Generation:
             state.update_operation = self.active.name
         return state
 
-    async def pause_engine(self, mode: str, clear_cache: bool, timeout: float | None) -> None:
-        """Pause every rank; with `timeout` (WAIT), asyncio.TimeoutError if requests did not drain."""
+    async def pause_engine(self, mode: str, clear_cache: bool, timeout: float | None, reason: str = "caller") -> None:
+        """Pause every rank; with `timeout` (WAIT), asyncio.TimeoutError if requests did not
+        drain. `reason`: who pauses ("update" or "caller"), if generation was running."""
         call = self._engine.pause(mode, clear_cache)
         if timeout is None:
             await call
@@ -150,6 +155,8 @@ class Generation:
             await asyncio.wait_for(call, timeout)
         if self.pause_time is None:
             self.pause_time = time.time()
+            if self._on_pause is not None:
+                self._on_pause(reason)
         self.mode = mode
 
     async def resume_engine(self) -> None:
@@ -158,6 +165,8 @@ class Generation:
 
     def resumed(self) -> None:
         """The engine resumed (here, or inside an update's last round trip)."""
+        if self.pause_time is not None and self._on_pause is not None:
+            self._on_pause(None)
         self.pause_time = None
         self.mode = ""
 

@@ -27,7 +27,15 @@ import structlog
 import zmq.asyncio
 
 from enginectl.common.vocabulary import WeightSource
-from enginectl.contract.engine import Cause, FinishUpdate, LoadPlan, LoadResult, Source, WorkerDigest
+from enginectl.contract.engine import (
+    UNDECLARED_LABEL,
+    Cause,
+    FinishUpdate,
+    LoadPlan,
+    LoadResult,
+    Source,
+    WorkerDigest,
+)
 from enginectl.server.engine import EngineInfo
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, to_status
 from enginectl.server.limits import RPC_GRACE_S
@@ -71,6 +79,8 @@ class UpdateEngine(PauseEngine, GroupEngine, FingerprintEngine, Protocol):
 
     async def reset_prefix_cache(self) -> None: ...
 
+    async def set_weight_version(self, version: str) -> None: ...
+
     @property
     def errored(self) -> bool: ...
 
@@ -86,16 +96,19 @@ class WeightUpdates:
         *,
         allowed_roots: list[Path],
         expected: dict[str, TensorInfo],
-        on_finished: Callable[[str, str, int], None] | None = None,
+        on_finished: Callable[[str, str, int, float], None] | None = None,
+        on_pause: Callable[[str | None], None] | None = None,
     ) -> None:
         self._engine = engine
         self._ledger = ledger
         self._store = store
-        self._on_finished = on_finished  # (source, "ok" | "failed" | "partial", bytes loaded)
+        # (source, result, bytes loaded, seconds) of every update that ends; result: "ok",
+        # "failed", "partial" (failed after writing began) or "cancelled" (before it began).
+        self._on_finished = on_finished
         self._ranks = engine.info.data_parallel_size
         self._ctx = zmq.asyncio.Context()
         self._dir = Path(tempfile.mkdtemp(prefix="enginectl-updates-"))
-        self.generation = Generation(engine, self._ranks)
+        self.generation = Generation(engine, self._ranks, on_pause)
         self.groups = UpdateGroups(engine)
         self.plans = UpdateValidator(
             ledger, self.groups, allowed_roots=allowed_roots, expected=expected, served_dtype=engine.info.dtype
@@ -230,6 +243,7 @@ class WeightUpdates:
             )
             op.failure = cancelled
             op.finish(error=to_status(cancelled))
+            self._report(op, plan, "cancelled", 0)
             raise
         log.info(
             "weight update started",
@@ -330,7 +344,10 @@ class WeightUpdates:
             self._phase(op, pb2.UPDATE_PHASE_PAUSING)
             try:
                 await gen.pause_engine(
-                    plan.pause_mode, False, None if plan.pause_mode != "wait" else max(deadline - time.time(), 0.0)
+                    plan.pause_mode,
+                    False,
+                    None if plan.pause_mode != "wait" else max(deadline - time.time(), 0.0),
+                    reason="update",
                 )
             except asyncio.TimeoutError:
                 await gen.resume_engine()  # WAIT stopped admitting requests: undo it
@@ -352,7 +369,9 @@ class WeightUpdates:
         if self.generation.utilities:
             # Cache reset, fingerprint, version stamp and resume: one round trip per rank.
             token = uuid.uuid4().hex if plan.version is not None else ""
-            digests = await self._engine.finish_update(FinishUpdate(plan.reset_cache, token, plan.version, resume))
+            # No version: the new weights are undeclared, and so are the tokens they generate.
+            label = plan.version if plan.version is not None else UNDECLARED_LABEL
+            digests = await self._engine.finish_update(FinishUpdate(plan.reset_cache, token, label, resume))
             fingerprint = self.fingerprints.declared(token, digests) if token else None
             return await self._ledger.record_update(plan.version, plan.source, fingerprint, published=True)
         if plan.reset_cache:
@@ -371,8 +390,7 @@ class WeightUpdates:
         resumed: bool,
     ) -> None:
         op.finish(response=success_response(plan, state, results, started, pause, resumed))
-        if self._on_finished is not None:
-            self._on_finished(plan.source.value.lower(), "ok", sum(r.bytes_loaded for r in results))
+        self._report(op, plan, "ok", sum(r.bytes_loaded for r in results))
         log.info(
             "weights updated",
             operation=op.name,
@@ -399,10 +417,14 @@ class WeightUpdates:
                     operation=op.name,
                 )
             )
+            try:  # tokens generated over mixed weights (after a forced resume) name no version
+                await self._engine.set_weight_version(UNDECLARED_LABEL)
+            except ControlPlaneError:
+                log.exception("unstamping the version after a partial update failed", operation=op.name)
             if not paused_by_update:
                 # Generation was running under someone else's pause (e.g. vLLM's own API):
                 # hold it paused all the same; the weights may be mixed.
-                await gen.pause_engine("keep", False, None)
+                await gen.pause_engine("keep", False, None, reason="update")
         else:
             if paused_by_update and not gen.caller_paused and not gen.partial:
                 try:
@@ -414,8 +436,8 @@ class WeightUpdates:
             await self.groups.drop(plan.group)
         op.failure = error
         op.finish(error=to_status(error))
-        if self._on_finished is not None:
-            self._on_finished(plan.source.value.lower(), "partial" if failure.modified else "failed", 0)
+        cancelled = failure.cause == Cause.UPDATE_CANCELLED
+        self._report(op, plan, "partial" if failure.modified else "cancelled" if cancelled else "failed", 0)
         log.warning(
             "weight update failed",
             operation=op.name,
@@ -423,6 +445,12 @@ class WeightUpdates:
             partial=failure.modified,
             message=failure.message,
         )
+
+    def _report(self, op: UpdateOperation, plan: UpdatePlan, result: str, nbytes: int) -> None:
+        """Tell `on_finished` how `op` ended; its duration is the Operation's (end_time - start_time)."""
+        if self._on_finished is not None:
+            nanos = op.metadata.end_time.ToNanoseconds() - op.metadata.start_time.ToNanoseconds()
+            self._on_finished(plan.source.value.lower(), result, nbytes, max(nanos, 0) / 1e9)
 
     async def _load(
         self, op: UpdateOperation, plan: UpdatePlan, channels: UpdateChannels, deadline: float, feed: Feed | None
