@@ -2,8 +2,8 @@
 
 `serve` needs the server extra (`pip install 'enginectl[server-cpu]'`) and is
 `enginectl.server.serve`; the client commands are `enginectl.client.cli` and need only
-`pip install enginectl`. Each side is imported only when its command runs, so the client
-never imports the server.
+`pip install enginectl` (docs/cli.md is their manual). Each side is imported only when its
+command runs, so the client never imports the server.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from enginectl.client.planner import (
     Verdict,
 )
 from enginectl.client.progress import ProgressBar
+from enginectl.client.rollouts import GenerationVersions, generation_versions
 from enginectl.client.trainer import AsyncBroadcast, AsyncTrainerClient, Broadcast, TrainerClient
 from enginectl.client.trainer_types import (
     GenerationState,
@@ -43,7 +44,14 @@ from enginectl.client.trainer_types import (
     Verification,
     WeightsUpdateGroup,
 )
-from enginectl.client.types import UpdateFailure, WeightSource, WeightVersion
+from enginectl.client.types import (
+    IdentityAcks,
+    RankIdentity,
+    UpdateFailure,
+    WeightSource,
+    WeightVersion,
+    WorkerIdentity,
+)
 
 __all__ = [
     "AbortedError",
@@ -63,6 +71,8 @@ __all__ = [
     "FpmProgress",
     "FpmSample",
     "GenerationState",
+    "GenerationVersions",
+    "IdentityAcks",
     "InvalidArgumentError",
     "NotFoundError",
     "OutOfRangeError",
@@ -70,6 +80,7 @@ __all__ = [
     "Planner",
     "PlannerThread",
     "ProgressBar",
+    "RankIdentity",
     "RankState",
     "Reason",
     "Reconciliation",
@@ -88,4 +99,6 @@ __all__ = [
     "WeightSource",
     "WeightVersion",
     "WeightsUpdateGroup",
+    "WorkerIdentity",
+    "generation_versions",
 ]

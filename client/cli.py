@@ -1,161 +1,230 @@
 """The client commands of `enginectl`: they talk to a server, and need only `pip install enginectl`.
 
 The `enginectl` command itself is `enginectl.cli.main`: it runs `serve` (the server extra) and
-hands every other command to `main` here, which never imports the server.
+hands every other command to `main` here, which never imports the server. The command line
+is cli_args.py, what is printed cli_output.py and cli_views.py, exit codes and error reports
+cli_errors.py, the metrics commands cli_fpm.py and cli_top.py; docs/cli.md is the manual.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
 import os
 import sys
-from dataclasses import asdict
-from datetime import datetime
-from typing import TypeAlias
+from collections.abc import Callable
 
-from enginectl.client.client import Client
+from enginectl.client.cli_args import parser
+from enginectl.client.cli_errors import ExitCode, exit_code, report
+from enginectl.client.cli_fpm import watch
+from enginectl.client.cli_output import Output
+from enginectl.client.cli_top import run_top
+from enginectl.client.cli_views import VERSION_COLUMNS, render, version_row
+from enginectl.client.client import ChannelConfig, ChannelOptions, Client
 from enginectl.client.errors import EnginectlError
 from enginectl.client.trainer import TrainerClient
-from enginectl.client.trainer_types import (
-    GenerationState,
-    PauseResult,
-    ServerInfo,
-    UpdateOperation,
-    UpdateResult,
-    Verification,
-)
-from enginectl.client.types import WeightVersion
 
-# What a command prints, as one JSON line.
-Printable: TypeAlias = (
-    UpdateResult | UpdateOperation | Verification | ServerInfo | GenerationState | PauseResult | WeightVersion
+SERVE_ELSEWHERE = (
+    "enginectl: `serve` is not a client command: use the `enginectl` console script "
+    "(enginectl.cli), which runs the server when the `server-cpu` extra is installed"
 )
 
-USAGE = """usage: enginectl serve [vLLM and enginectl flags]   (enginectl serve --help)
-       enginectl [--target HOST:PORT] version get
-       enginectl [--target HOST:PORT] version set VERSION [--etag ETAG] [--request-id UUID]
-       enginectl [--target HOST:PORT] version watch [--since-revision N]
-       enginectl [--target HOST:PORT] weights load PATH [--version V] [--pause-mode keep|abort|wait]
-                                                 [--keep-prefix-cache] [--update-timeout S] [--no-wait]
-       enginectl [--target HOST:PORT] weights verify [--full]
-       enginectl [--target HOST:PORT] weights info
-       enginectl [--target HOST:PORT] generation state|pause [--mode keep|abort|wait]|resume [--force]
-       enginectl [--target HOST:PORT] operation get|wait|cancel NAME
-"""
+
+class UsageError(Exception):
+    """A flag's value cannot be used (e.g. an unreadable file); nothing was sent."""
 
 
-def _json(value: Printable) -> str:
-    def default(obj: object) -> str:
-        if isinstance(obj, datetime):
-            return obj.isoformat()
-        return str(obj)
-
-    return json.dumps(asdict(value), default=default)
-
-
-def _client_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="enginectl", usage=USAGE)
-    parser.add_argument("--target", default=os.environ.get("ENGINECTL_TARGET", "127.0.0.1:50051"))
-    parser.add_argument("--token-file", default=None, help="bearer token file (or $ENGINECTL_TOKEN)")
-    parser.add_argument("--timeout", type=float, default=30.0)
-    sub = parser.add_subparsers(dest="resource", required=True)
-    version = sub.add_parser("version", help="the weight version").add_subparsers(dest="verb", required=True)
-    version.add_parser("get")
-    set_ = version.add_parser("set")
-    set_.add_argument("version")
-    set_.add_argument("--etag", default=None)
-    set_.add_argument("--request-id", default=None)
-    watch = version.add_parser("watch")
-    watch.add_argument("--since-revision", type=int, default=None)
-    weights = sub.add_parser("weights", help="load and verify weights").add_subparsers(dest="verb", required=True)
-    load = weights.add_parser("load", help="UpdateWeightsFromDisk (a path on the server), with a progress bar")
-    load.add_argument("path")
-    load.add_argument("--version", default=None, help="declare this version on success (else: undeclared)")
-    load.add_argument("--pause-mode", choices=("keep", "abort", "wait"), default="keep")
-    load.add_argument("--keep-prefix-cache", action="store_true", help="do not reset the prefix cache")
-    load.add_argument("--update-timeout", type=float, default=None, help="seconds the update may take")
-    load.add_argument("--no-wait", action="store_true", help="print the running operation and return")
-    weights.add_parser("verify", help="VerifyWeights").add_argument("--full", action="store_true")
-    weights.add_parser("info", help="GetServerInfo")
-    generation = sub.add_parser("generation", help="pause and resume").add_subparsers(dest="verb", required=True)
-    generation.add_parser("state")
-    generation.add_parser("pause").add_argument("--mode", choices=("keep", "abort", "wait"), default="keep")
-    generation.add_parser("resume").add_argument(
-        "--force", action="store_true", help="resume even over a partial update's mixed weights"
-    )
-    operation = sub.add_parser("operation", help="weight-update operations").add_subparsers(dest="verb", required=True)
-    for verb in ("get", "wait", "cancel"):
-        operation.add_parser(verb).add_argument("name")
-    return parser
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise UsageError(f"cannot read the {what} {path}: {err.strerror}") from None
 
 
-def _trainer_command(client: TrainerClient, args: argparse.Namespace) -> Printable | None:
-    """Run a weights/generation/operation command; returns what to print (or None)."""
-    if args.resource == "weights":
-        if args.verb == "load":
-            return client.update_weights_from_disk(
-                args.path,
-                args.version,
-                pause_mode=args.pause_mode,
-                reset_prefix_cache=not args.keep_prefix_cache,
-                timeout=args.update_timeout,
+def channel_options(args: argparse.Namespace) -> ChannelOptions:
+    """The client options the global flags (and $ENGINECTL_TOKEN) ask for."""
+    options: ChannelOptions = {"timeout": args.timeout}
+    token = os.environ.get("ENGINECTL_TOKEN")
+    if args.token_file:
+        token = _read(args.token_file, "token file").decode().strip()
+    options["token"] = token or None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    if args.tls or args.tls_ca or args.tls_cert:
+        options["tls"] = True
+        if args.tls_ca:
+            options["root_certificates"] = _read(args.tls_ca, "CA file")
+        if args.tls_cert:
+            options["client_certificate"] = _read(args.tls_cert, "certificate file")
+            options["client_key"] = _read(args.tls_key, "key file")
+    return options
+
+
+class Commands:
+    """One method per `COMMAND VERB`; each prints its result and returns the exit code."""
+
+    def __init__(self, args: argparse.Namespace, options: ChannelOptions, out: Output) -> None:
+        self.args, self.options, self.out = args, options, out
+
+    def run(self) -> int:
+        method: Callable[[], int | None] = getattr(self, f"{self.args.resource}_{self.args.verb}")
+        return method() or ExitCode.OK
+
+    def _client(self) -> Client:
+        return Client(self.args.target, **self.options)
+
+    def _trainer(self) -> TrainerClient:
+        return TrainerClient(self.args.target, **self.options)
+
+    # --- version ----------------------------------------------------------------------
+    def version_get(self) -> None:
+        with self._client() as c:
+            self.out.show(c.get_weight_version(), render)
+
+    def version_set(self) -> None:
+        a = self.args
+        with self._client() as c:
+            self.out.show(c.set_weight_version(a.version, etag=a.etag, request_id=a.request_id), render)
+
+    def version_watch(self) -> None:
+        a = self.args
+        with self._client() as c:
+            for state in c.watch_weight_version(since_revision=a.since_revision, incarnation=a.incarnation):
+                self.out.event(state, VERSION_COLUMNS, version_row)
+
+    # --- weights ----------------------------------------------------------------------
+    def weights_load(self) -> None:
+        a = self.args
+        with self._trainer() as t:
+            result = t.update_weights_from_disk(
+                a.path,
+                a.version,
+                etag=a.etag,
+                pause_mode=a.pause_mode,
+                reset_prefix_cache=not a.keep_prefix_cache,
+                timeout=a.update_timeout,
                 progress=sys.stderr.isatty(),
-                wait=not args.no_wait,
+                wait=not a.no_wait,
             )
-        if args.verb == "verify":
-            return client.verify_weights(full=args.full)
-        return client.get_server_info()
-    if args.resource == "generation":
-        if args.verb == "state":
-            return client.generation_state()
-        if args.verb == "pause":
-            return client.pause_generation(args.mode)
-        return client.resume_generation(force=args.force)
-    if args.verb == "get":
-        return client.get_operation(args.name)
-    if args.verb == "wait":
-        return client.wait_operation(args.name)
-    client.cancel_operation(args.name)
-    return None
+        self.out.show(result, render)
+
+    def weights_verify(self) -> None:
+        with self._trainer() as t:
+            self.out.show(t.verify_weights(full=self.args.full), render)
+
+    def weights_info(self) -> None:
+        with self._trainer() as t:
+            self.out.show(t.get_server_info(), render)
+
+    # --- generation -------------------------------------------------------------------
+    def generation_state(self) -> None:
+        with self._trainer() as t:
+            self.out.show(t.generation_state(), render)
+
+    def generation_pause(self) -> None:
+        with self._trainer() as t:
+            self.out.show(t.pause_generation(self.args.mode), render)
+
+    def generation_resume(self) -> None:
+        with self._trainer() as t:
+            self.out.show(t.resume_generation(force=self.args.force), render)
+
+    # --- operation --------------------------------------------------------------------
+    def operation_get(self) -> None:
+        with self._trainer() as t:
+            self.out.show(t.get_operation(self.args.name), render)
+
+    def operation_wait(self) -> int:
+        with self._trainer() as t:
+            op = t.wait_operation(self.args.name, self.args.wait_timeout)
+        self.out.show(op, render)
+        if not op.done:
+            print(f"enginectl: {op.name} still running after {self.args.wait_timeout:g}s", file=sys.stderr)
+            return ExitCode.DEADLINE
+        if op.error is not None:
+            print(report(op.error, self.args.target), file=sys.stderr)
+            return exit_code(op.error)
+        return ExitCode.OK
+
+    def operation_cancel(self) -> None:
+        name = self.args.name
+        with self._trainer() as t:
+            t.cancel_operation(name)
+        self.out.show({"name": name, "cancel_requested": True}, lambda _: f"{name}: cancel requested")
+
+    # --- identity ---------------------------------------------------------------------
+    def identity_get(self) -> None:
+        with self._client() as c:
+            self.out.show(c.get_worker_identity(rank_timeout=self.args.rank_timeout), render)
+
+    def identity_set(self) -> None:
+        a = self.args
+        with self._client() as c:
+            self.out.show(c.set_worker_identity(a.worker_id, rank_timeout=a.rank_timeout), render)
+
+    # --- fpm --------------------------------------------------------------------------
+    def fpm_watch(self) -> None:
+        a = self.args
+        config = ChannelConfig(a.target, **self.options)
+        watch(
+            config,
+            self.out,
+            worker_ids=a.worker,
+            dp_ranks=a.rank,
+            heartbeats=a.heartbeats,
+            since=a.since,
+            incarnation=a.incarnation,
+            count=a.count,
+        )
+
+    def fpm_top(self) -> int:
+        a = self.args
+        targets = [t.strip() for t in (a.targets or a.target).split(",") if t.strip()]
+        expect = [w.strip() for w in (a.expect or "").split(",") if w.strip()]
+        if not targets or a.interval <= 0 or a.iterations < 0:
+            raise UsageError("fpm top needs --targets, an --interval above 0 and -n of 0 or more")
+        configs = [ChannelConfig(t, **self.options) for t in targets]
+        connected = asyncio.run(
+            run_top(
+                configs,
+                self.out,
+                interval=a.interval,
+                iterations=a.iterations,
+                wait=a.wait,
+                stale_after=a.stale_after,
+                expect=expect,
+            )
+        )
+        return ExitCode.OK if connected else ExitCode.UNAVAILABLE
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The client commands of `enginectl` (see USAGE); `serve` is `enginectl.cli.main`'s."""
+    """The client commands of `enginectl` (`enginectl --help`); `serve` is `enginectl.cli.main`'s."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        print(
-            "enginectl: `serve` is not a client command: use the `enginectl` console script "
-            "(enginectl.cli), which runs the server when the `server-cpu` extra is installed",
-            file=sys.stderr,
-        )
-        return 2
-    args = _client_parser().parse_args(argv)
-    token = os.environ.get("ENGINECTL_TOKEN")
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
+        print(SERVE_ELSEWHERE, file=sys.stderr)
+        return ExitCode.USAGE
+    args = parser().parse_args(argv)
+    if args.resource == "serve":
+        print("enginectl: `serve` comes first, its flags after it: enginectl serve [flags]", file=sys.stderr)
+        return ExitCode.USAGE
+    if args.resource is None or args.verb is None:
+        args.help_of.print_help()
+        return ExitCode.OK
     try:
-        if args.resource != "version":
-            with TrainerClient(args.target, token=token, timeout=args.timeout) as trainer:
-                result = _trainer_command(trainer, args)
-            if result is not None:
-                print(_json(result))
-            return 0
-        with Client(args.target, token=token, timeout=args.timeout) as client:
-            if args.verb == "get":
-                print(_json(client.get_weight_version()))
-            elif args.verb == "set":
-                print(_json(client.set_weight_version(args.version, etag=args.etag, request_id=args.request_id)))
-            else:
-                for state in client.watch_weight_version(since_revision=args.since_revision):
-                    print(_json(state), flush=True)
-    except EnginectlError as err:
+        return Commands(args, channel_options(args), Output(args.output)).run()
+    except UsageError as err:
         print(f"enginectl: {err}", file=sys.stderr)
-        return 1
+        return ExitCode.USAGE
+    except EnginectlError as err:
+        print(report(err, args.target), file=sys.stderr)
+        return exit_code(err)
     except KeyboardInterrupt:
-        return 130
-    return 0
+        return ExitCode.INTERRUPTED
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -15,11 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Self, TypedDict, Unpack
 
 import grpc
+from google.protobuf import duration_pb2
 from google.protobuf.message import Message
 
 from enginectl.client._sync import LoopThread, blocking, streaming
 from enginectl.client.errors import from_rpc_error
-from enginectl.client.types import WeightVersion
+from enginectl.client.types import IdentityAcks, RankIdentity, WeightVersion, WorkerIdentity
+from enginectl.fpm.v1 import fpm_identity_service_pb2 as id_pb2
+from enginectl.fpm.v1 import fpm_identity_service_pb2_grpc as id_grpc
 from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
 from enginectl.weights.v1 import weight_version_service_pb2_grpc as wv_grpc
 
@@ -109,6 +112,18 @@ def _set_request(version: str, etag: str | None, request_id: str | None) -> wv_p
     return wv_pb2.SetWeightVersionRequest(version=version, etag=etag or "", request_id=request_id or str(uuid.uuid4()))
 
 
+def _rank_timeout(seconds: float | None) -> duration_pb2.Duration | None:
+    if seconds is None:
+        return None
+    value = duration_pb2.Duration()
+    value.FromNanoseconds(round(seconds * 1e9))
+    return value
+
+
+def _ranks(ranks: Sequence[id_pb2.RankIdentity]) -> tuple[RankIdentity, ...]:
+    return tuple(RankIdentity(r.dp_rank, r.worker_id, r.identity_generation) for r in ranks)
+
+
 def _watch_request(since_revision: int | None, incarnation: str | None) -> wv_pb2.WatchWeightVersionRequest:
     request = wv_pb2.WatchWeightVersionRequest(incarnation=incarnation or "")
     if since_revision is not None:
@@ -123,6 +138,7 @@ class AsyncClient:
         self.config = ChannelConfig(target=target, **config)
         self._channel = self.config.aio_channel()
         self._versions = wv_grpc.WeightVersionServiceStub(self._channel)
+        self._identity = id_grpc.FpmIdentityServiceStub(self._channel)
 
     async def __aenter__(self) -> Self:
         return self
@@ -183,6 +199,36 @@ class AsyncClient:
         finally:
             call.cancel()
 
+    def _identity_deadline(self, rank_timeout: float | None, timeout: float | None) -> float:
+        """The call's deadline: `timeout`, else long enough for the ranks' own `rank_timeout`."""
+        if timeout is not None:
+            return timeout
+        return max(self.config.timeout, (rank_timeout or 0.0) + 5.0)
+
+    async def get_worker_identity(
+        self, *, rank_timeout: float | None = None, timeout: float | None = None
+    ) -> WorkerIdentity:
+        """Ask every rank's EngineCore for the identity it holds now (GetWorkerIdentity);
+        `rank_timeout` bounds each rank's answer (server default 5 s, at most 300 s)."""
+        request = id_pb2.GetWorkerIdentityRequest(timeout=_rank_timeout(rank_timeout))
+        response = await self._unary(
+            self._identity.GetWorkerIdentity, request, self._identity_deadline(rank_timeout, timeout)
+        )
+        return WorkerIdentity(_ranks(response.ranks), response.consistent, response.await_worker_id)
+
+    async def set_worker_identity(
+        self, worker_id: str, *, rank_timeout: float | None = None, timeout: float | None = None
+    ) -> IdentityAcks:
+        """Set the worker id stamped on every rank's samples (SetWorkerIdentity); returns once
+        every rank acked, within `rank_timeout` (server default 10 s, at most 300 s). Setting the
+        id every rank already holds changes nothing (a safe retry). Raises IDENTITY_SYNC_FAILED
+        with `failed_ranks`/`acked_ranks` in the error's metadata when a rank did not ack."""
+        request = id_pb2.SetWorkerIdentityRequest(worker_id=worker_id, timeout=_rank_timeout(rank_timeout))
+        response = await self._unary(
+            self._identity.SetWorkerIdentity, request, self._identity_deadline(rank_timeout, timeout)
+        )
+        return IdentityAcks(_ranks(response.ranks))
+
 
 class Client:
     """Blocking client with the methods of AsyncClient (run on a private event-loop thread).
@@ -221,3 +267,5 @@ class Client:
     get_weight_version = blocking(AsyncClient.get_weight_version)
     set_weight_version = blocking(AsyncClient.set_weight_version)
     watch_weight_version = streaming(AsyncClient.watch_weight_version)
+    get_worker_identity = blocking(AsyncClient.get_worker_identity)
+    set_worker_identity = blocking(AsyncClient.set_worker_identity)

@@ -64,3 +64,33 @@ def _time(msg: object, field: str) -> datetime | None:
     if not msg.HasField(field):  # type: ignore[attr-defined]
         return None
     return getattr(msg, field).ToDatetime(tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """The worker identity one data-parallel rank holds (`worker_id` "" while it has none;
+    `identity_generation` 0 then)."""
+
+    dp_rank: int
+    worker_id: str
+    identity_generation: int
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """GetWorkerIdentity: every rank's identity as its EngineCore reports it now.
+
+    `consistent` when every rank holds the same non-empty id at the same generation;
+    `await_worker_id` when the server was started with `--await-worker-id`.
+    """
+
+    ranks: tuple[RankIdentity, ...]
+    consistent: bool
+    await_worker_id: bool
+
+
+@dataclass(frozen=True)
+class IdentityAcks:
+    """SetWorkerIdentity succeeded: one ack per rank, in dp_rank order."""
+
+    ranks: tuple[RankIdentity, ...]
