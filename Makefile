@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 
 # The Python folders ruff checks and formats.
-PY_DIRS := client server worker common contract cli scripts tests bench
+PY_DIRS := client server worker common contract cli scripts tests bench examples
 
 .PHONY: install serve test check check-protos gen bench soak mypy-tree
 
