@@ -9,8 +9,10 @@ bounded in count and in time.
   machine noise falls on all of them alike.
 - throughput: N concurrent clients, each with its own channel/connection (grpc.aio, or
   aiohttp for HTTP), running for a window that starts when the parent writes `go`.
-- rollouts: S concurrent streaming /v1/completions of a fixed token count, looping until the
-  parent writes `stop` (or the time bound).
+- rollouts: S concurrent streaming requests of a fixed token count, looping until the parent
+  writes `stop` (or the time bound): /v1/completions on vLLM's HTTP API (`--via http`, the
+  default) or Generate of vLLM's gRPC engine service on the control port (`--via grpc`). Each
+  records tokens/s over the load window and every request's time to first token.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import asyncio
 import gc
 import http.client
 import json
+import os
 import select
 import sys
 import threading
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 from bench.lines import emit, report_errors
@@ -250,14 +254,16 @@ def cmd_throughput(args: argparse.Namespace) -> None:
 
 
 # -- rollouts ------------------------------------------------------------------------------
-def cmd_rollouts(args: argparse.Namespace) -> None:
+# One rollout request: a generator that sends it when first advanced, yields the number of
+# tokens each message brings, returns once the completion is whole and raises on failure;
+# closing it early cancels the request.
+Request = Callable[[int, int], Generator[int, None, None]]
+
+
+def _http_completions(args: argparse.Namespace) -> tuple[Request, Callable[[], None]]:
+    """Streaming /v1/completions on vLLM's HTTP API, a new connection per request; one SSE
+    event is one token (vLLM streams a token per event unless its consumer lags)."""
     host, _, port = args.http.rpartition(":")
-    stop = threading.Event()
-    lock = threading.Lock()
-    first = threading.Event()
-    streams_started: set[int] = set()
-    done = {"completions": 0, "tokens": 0, "errors": 0}
-    durations: list[float] = []
     body = json.dumps(
         {
             "model": args.model,
@@ -269,54 +275,129 @@ def cmd_rollouts(args: argparse.Namespace) -> None:
             "stream": True,
         }
     )
+
+    def request(stream: int, seq: int) -> Generator[int, None, None]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+            while line := resp.readline():
+                if line.startswith(b"data: [DONE]"):
+                    return
+                if line.startswith(b"data: "):
+                    yield 1
+            raise RuntimeError("stream ended before [DONE]")
+        finally:
+            conn.close()
+
+    return request, lambda: None
+
+
+def _grpc_generate(args: argparse.Namespace) -> tuple[Request, Callable[[], None]]:
+    """Streaming Generate of vLLM's gRPC engine service (vllm.grpc.engine.VllmEngine) on the
+    enginectl control port, the same prompt as text; one channel (and TCP connection) per
+    stream, kept across its requests."""
+    import grpc
+    from smg_grpc_proto import vllm_engine_pb2 as pb2
+    from smg_grpc_proto import vllm_engine_pb2_grpc as pb2_grpc
+
+    channels = [
+        grpc.insecure_channel(args.grpc, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(args.streams)
+    ]
+    for channel in channels:
+        grpc.channel_ready_future(channel).result(timeout=30)
+    stubs = [pb2_grpc.VllmEngineStub(channel) for channel in channels]
+    params = pb2.SamplingParams(
+        max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True, temperature=0.0
+    )
+
+    def request(stream: int, seq: int) -> Generator[int, None, None]:
+        generate = pb2.GenerateRequest(
+            request_id=f"bench-{os.getpid()}-{stream}-{seq}", text=args.prompt, sampling_params=params, stream=True
+        )
+        call = stubs[stream].Generate(generate, timeout=60)
+        complete = False
+        try:
+            for response in call:  # chunks (token_ids), then `complete`, then the status
+                if response.HasField("chunk"):
+                    yield len(response.chunk.token_ids)
+                elif response.HasField("complete"):
+                    complete = True
+            if not complete:
+                raise RuntimeError("Generate ended without `complete`")
+        finally:
+            call.cancel()  # a no-op once the call ended; otherwise vLLM aborts the request
+
+    def close() -> None:
+        for channel in channels:
+            channel.close()
+
+    return request, close
+
+
+def cmd_rollouts(args: argparse.Namespace) -> None:
+    if (args.via == "grpc" and not args.grpc) or (args.via == "http" and not (args.http and args.model)):
+        raise SystemExit(f"--via {args.via} needs " + ("--grpc" if args.via == "grpc" else "--http and --model"))
+    request, close = _grpc_generate(args) if args.via == "grpc" else _http_completions(args)
+    stop = threading.Event()
+    lock = threading.Lock()
+    first = threading.Event()
+    streams_started: set[int] = set()
+    done = {"completions": 0, "tokens": 0, "errors": 0, "tokens_short": 0}
+    durations: list[float] = []
+    ttfts: list[tuple[float, float]] = []  # (request sent, time to its first token), perf_counter
+    last_error = [""]
     t_start = time.monotonic()
     deadline = t_start + args.max_seconds
 
     def stream(i: int) -> None:
+        seq = 0
         while not stop.is_set() and time.monotonic() < deadline:
-            conn = http.client.HTTPConnection(host, int(port), timeout=60)
-            t0 = time.monotonic()
+            seq += 1
+            t0 = time.perf_counter()
+            got = 0
+            tokens = request(i, seq)
             try:
-                conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                if resp.status != 200:
-                    raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-                while not stop.is_set():
-                    line = resp.readline()
-                    if not line:
+                for n in tokens:
+                    if stop.is_set():
                         break
-                    if not line.startswith(b"data: "):
-                        continue
-                    if line.startswith(b"data: [DONE]"):
-                        with lock:
-                            done["completions"] += 1
-                            durations.append(time.monotonic() - t0)
-                        break
+                    now = time.perf_counter()
                     with lock:
-                        done["tokens"] += 1
-                    if i not in streams_started:
-                        with lock:
+                        done["tokens"] += n
+                        if not got and n:
+                            ttfts.append((t0, now - t0))
                             streams_started.add(i)
                             if len(streams_started) == args.streams:
                                 first.set()
-            except Exception:  # noqa: BLE001 - counted
+                    got += n
+                else:
+                    with lock:
+                        done["completions"] += 1
+                        done["tokens_short"] += max(0, args.max_tokens - got)  # tokens merged into one message
+                        durations.append(time.perf_counter() - t0)
+            except Exception as exc:  # noqa: BLE001 - counted
                 if not stop.is_set():
                     with lock:
                         done["errors"] += 1
+                        last_error[0] = repr(exc)[:300]
                     if done["errors"] > 10:
                         stop.set()
             finally:
-                conn.close()
+                tokens.close()
 
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(args.streams)]
     for t in threads:
         t.start()
     if not first.wait(min(120.0, args.max_seconds)):
         stop.set()
-        emit("error", message=f"streams did not all start: {done}")
+        emit("error", message=f"streams did not all start: {done}, last error {last_error[0]!r}")
         return
     emit("started", streams=args.streams, after_s=round(time.monotonic() - t_start, 3))
     t_load = time.monotonic()
+    t_load_perf = time.perf_counter()
+    cpu_at_start = time.process_time()
     tokens_at_start = done["tokens"]
     while time.monotonic() < deadline:
         ready, _, _ = select.select([sys.stdin], [], [], max(0.0, deadline - time.monotonic()))
@@ -326,19 +407,29 @@ def cmd_rollouts(args: argparse.Namespace) -> None:
     stop.set()
     load_s = time.monotonic() - t_load
     tokens_in_load = done["tokens"] - tokens_at_start
+    client_cpu_s = time.process_time() - cpu_at_start  # this process, all its threads
     for t in threads:
         t.join(65)
+    close()
     durations.sort()
+    # Time to first token of the requests sent once every stream ran (the load window).
+    ttft = [dt for sent, dt in ttfts if sent >= t_load_perf]
     emit(
         "result",
+        via=args.via,
         streams=args.streams,
         max_tokens=args.max_tokens,
         load_s=round(load_s, 3),
         completions=done["completions"],
         tokens=done["tokens"],
+        tokens_short=done["tokens_short"],
         errors=done["errors"],
+        last_error=last_error[0],
         tokens_per_s=round(tokens_in_load / load_s, 1) if load_s else None,
+        client_cpu_ms_per_1k_tokens=round(client_cpu_s * 1e6 / tokens_in_load, 1) if tokens_in_load else None,
         completion_s_p50=round(durations[len(durations) // 2], 3) if durations else None,
+        ttft=summarize_ms(ttft),
+        **({"ttft_s": [round(dt, 6) for dt in ttft]} if args.ttft_samples else {}),
     )
 
 
@@ -358,8 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--max-seconds", type=float, default=120.0)
     p = sub.add_parser("rollouts")
-    p.add_argument("--http", required=True, help="host:port of vLLM's HTTP API")
-    p.add_argument("--model", required=True)
+    p.add_argument("--via", choices=("http", "grpc"), default="http", help="HTTP /v1/completions or gRPC Generate")
+    p.add_argument("--http", help="host:port of vLLM's HTTP API (--via http)")
+    p.add_argument("--model", help="the served model's name (--via http)")
+    p.add_argument("--grpc", help="host:port of the enginectl control port (--via grpc)")
+    p.add_argument("--ttft-samples", action="store_true", help="report every time to first token too")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. Once upon a time")

@@ -43,11 +43,22 @@ def baseline_server(variant: str) -> ServeProcess:
     return ServeProcess([sys.executable, "-m", "bench.servers", "--variant", variant], bench_env(), name=variant)
 
 
-def rollout_driver(server: ServeProcess, streams: int, max_tokens: int, max_seconds: float) -> Worker:
-    """`python -m bench.clients rollouts`: `streams` streaming /v1/completions looping on the
-    server's HTTP API until told to stop (or `max_seconds`)."""
+def rollout_driver(
+    server: ServeProcess,
+    streams: int,
+    max_tokens: int,
+    max_seconds: float,
+    via: str = "http",
+    ttft_samples: bool = False,
+) -> Worker:
+    """`python -m bench.clients rollouts`: `streams` streaming requests looping on the server
+    until told to stop (or `max_seconds`): /v1/completions on its HTTP API (`via="http"`) or
+    Generate of vLLM's gRPC engine service on its control port (`via="grpc"`)."""
     args = ["--streams", str(streams), "--max-tokens", str(max_tokens), "--max-seconds", str(max_seconds)]
-    return Worker(["rollouts", "--http", f"127.0.0.1:{server.http_port}", "--model", server.model, *args])
+    args += ["--ttft-samples"] if ttft_samples else []
+    if via == "grpc":
+        return Worker(["rollouts", "--via", "grpc", "--grpc", server.grpc_target, *args])
+    return Worker(["rollouts", "--http", f"127.0.0.1:{server.http_port}", "--model", server.served_model, *args])
 
 
 class Worker:

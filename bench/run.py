@@ -24,13 +24,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import fpm, fpm_publish, weights
+from bench import fpm, fpm_publish, rollouts_grpc, weights
 from bench.harness import ServeProcess
 from bench.procs import Worker, baseline_server, enginectl_server, rollout_driver
 from bench.run_report import TARGETS, figures, markdown
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PHASES = ("latency", "rollouts", "throughput", "fpm", "fpm_publish", "weights")
+PHASES = ("latency", "rollouts", "throughput", "grpc_rollouts", "fpm", "fpm_publish", "weights")
 DIAGNOSTIC_VARIANTS = ("bare-uvloop", "intercepted-nolog", "intercepted", "controlplane")
 
 
@@ -183,7 +183,11 @@ def phase_latency(servers: dict[str, ServeProcess], http_targets: dict[str, str]
     return {"targets": res["targets"], "elapsed_s": res["elapsed_s"], "truncated": res["truncated"]}
 
 
-def phase_rollouts(servers: dict[str, ServeProcess], http_targets: dict[str, str], cfg: Config) -> dict:
+def phase_rollouts(
+    servers: dict[str, ServeProcess], http_targets: dict[str, str], cfg: Config, via: str = "http"
+) -> dict:
+    """GetWeightVersion p99 idle, under rollouts (HTTP /v1/completions, or gRPC Generate on the
+    control port with `via="grpc"`), and idle again."""
     eng = servers["enginectl"]
     targets = {"enginectl": f"grpc:{eng.grpc_target}", "bare": f"grpc:{servers['bare'].grpc_target}"}
     first_http = next(iter(http_targets))
@@ -191,8 +195,9 @@ def phase_rollouts(servers: dict[str, ServeProcess], http_targets: dict[str, str
     n, max_s = cfg.rollout_samples, cfg.rollout_max_s
     log(f"rollouts: idle p99, {n} samples")
     idle = run_latency_worker(targets, cfg, n, max_s)
-    log(f"rollouts: {cfg.rollout_streams} streaming /v1/completions x {cfg.rollout_tokens} tokens, looping")
-    driver = rollout_driver(eng, cfg.rollout_streams, cfg.rollout_tokens, max_s + 150)
+    what = "gRPC Generate" if via == "grpc" else "/v1/completions"
+    log(f"rollouts: {cfg.rollout_streams} streaming {what} x {cfg.rollout_tokens} tokens, looping")
+    driver = rollout_driver(eng, cfg.rollout_streams, cfg.rollout_tokens, max_s + 150, via=via)
     try:
         started = driver.expect("started", 150)
         log(f"rollouts: load running; p99 under load, {n} samples")
@@ -384,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
             results["rollouts"] = phase_rollouts(ordered, http_targets, cfg)
         if "throughput" in phases:
             results["throughput"] = phase_throughput(ordered, http_targets, cfg)
+        if "grpc_rollouts" in phases:  # vLLM's gRPC engine service on the control port
+            streams, tokens = cfg.rollout_streams, cfg.rollout_tokens
+            results["grpc_rollouts"] = {
+                "generate": rollouts_grpc.phase(eng, streams, tokens, args.quick),
+                "p99": phase_rollouts(ordered, http_targets, cfg, via="grpc"),
+            }
         if "fpm" in phases:
             results["fpm_latency"] = fpm.phase_latency(eng, args.quick)
             results["fpm_fanin"] = fpm.phase_fanin(eng, args.quick)

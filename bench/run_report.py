@@ -4,14 +4,16 @@
 
 from __future__ import annotations
 
-from bench import fpm, fpm_publish, weights
+from bench import fpm, fpm_publish, rollouts_grpc, weights
 from bench.stats import ratio
 
-TARGETS = {  # bench/README.md, figures 1-3
+TARGETS = {  # bench/README.md, figures 1-3 and 7
     "latency_vs_bare": 1.15,  # enginectl p50 / bare grpc.aio p50 <=
     "latency_vs_http": 0.66,  # enginectl p50 / vLLM HTTP p50 <=
     "p99_under_rollouts": 3.0,  # loaded p99 / idle p99 <=
     "throughput_vs_bare": 0.85,  # enginectl req/s / bare req/s >=
+    "grpc_rollout_tokens_per_s_vs_http": rollouts_grpc.TOKENS_PER_S_TARGET,  # gRPC Generate / HTTP >=
+    "grpc_rollout_ttft_p50_vs_http": rollouts_grpc.TTFT_P50_TARGET,  # gRPC Generate / HTTP <=
 }
 
 
@@ -67,19 +69,8 @@ def figures(results: dict) -> list[dict]:
                 False,
             )
         )
-    ro = results.get("rollouts")
-    if ro:
-        out.append(
-            _figure(
-                f"GetWeightVersion p99 during {ro['load']['streams']} rollout streams",
-                "same p99, idle",
-                ro["idle"]["enginectl"].get("p99_ms"),
-                ro["loaded"]["enginectl"].get("p99_ms"),
-                "ms",
-                TARGETS["p99_under_rollouts"],
-                False,
-            )
-        )
+    if results.get("rollouts"):
+        out.append(_p99_figure(results["rollouts"], "rollout streams"))
     tp = results.get("throughput")
     if tp:
         out.append(
@@ -93,16 +84,76 @@ def figures(results: dict) -> list[dict]:
                 True,
             )
         )
+    gr = results.get("grpc_rollouts")
+    if gr:
+        gen = gr["generate"]
+        http, grpc = gen["http"], gen["grpc"]
+        streams = f"{gen['_config']['streams']} streams x {gen['_config']['max_tokens']} tokens"
+        out.append(
+            _figure(
+                f"gRPC Generate tokens/s, {streams}",
+                "vLLM HTTP /v1/completions tokens/s",
+                http["tokens_per_s"],
+                grpc["tokens_per_s"],
+                "tokens/s",
+                TARGETS["grpc_rollout_tokens_per_s_vs_http"],
+                True,
+            )
+        )
+        out.append(
+            _figure(
+                f"gRPC Generate time to first token p50, {streams}",
+                "vLLM HTTP /v1/completions TTFT p50",
+                http["ttft"].get("p50_ms"),
+                grpc["ttft"].get("p50_ms"),
+                "ms",
+                TARGETS["grpc_rollout_ttft_p50_vs_http"],
+                False,
+            )
+        )
+        out.append(_p99_figure(gr["p99"], "gRPC Generate rollout streams"))
     out += fpm.figures(results)
     out += fpm_publish.figures(results)
     out += weights.figures(results)
     return out
 
 
+def _p99_figure(ro: dict, streams: str) -> dict:
+    """GetWeightVersion p99 during rollouts (bench/run.py's phase_rollouts) vs idle."""
+    return _figure(
+        f"GetWeightVersion p99 during {ro['load']['streams']} {streams}",
+        "same p99, idle",
+        ro["idle"]["enginectl"].get("p99_ms"),
+        ro["loaded"]["enginectl"].get("p99_ms"),
+        "ms",
+        TARGETS["p99_under_rollouts"],
+        False,
+    )
+
+
+def _p99_table(ro: dict, what: str) -> list[str]:
+    ld = ro["load"]
+    lines = [
+        "",
+        f"p99 under {what} ({ld['streams']} streams x {ld['max_tokens']} tokens, "
+        f"{ld['tokens_per_s']} tokens/s, {ld['completions']} completions; ms):",
+        "",
+        "| target | idle p50 | idle p99 | loaded p50 | loaded p99 | idle-after p99 | loaded/idle p99 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in ro["loaded"]:
+        i, lo, a = ro["idle"][name], ro["loaded"][name], ro["idle_after"][name]
+        lines.append(
+            f"| {name} | {i.get('p50_ms')} | {i.get('p99_ms')} | {lo.get('p50_ms')} | "
+            f"{lo.get('p99_ms')} | {a.get('p99_ms')} | {ratio(lo.get('p99_ms'), i.get('p99_ms'))} |"
+        )
+    return lines
+
+
 def _fmt(v: float | None, unit: str) -> str:
     if v is None:
         return "n/a"
-    return f"{v:.0f} {unit}" if unit in ("req/s", "samples/s") else f"{v:.3f} {unit}"
+    return f"{v:.0f} {unit}" if unit in ("req/s", "samples/s", "tokens/s") else f"{v:.3f} {unit}"
 
 
 def markdown(results: dict) -> str:
@@ -138,23 +189,8 @@ def markdown(results: dict) -> str:
                 f"| {name} | {s.get('n')} | {s.get('p50_ms')} | {s.get('p90_ms')} | {s.get('p99_ms')} | "
                 f"{s.get('p999_ms')} | {s.get('errors')} |"
             )
-    ro = results.get("rollouts")
-    if ro:
-        ld = ro["load"]
-        lines += [
-            "",
-            f"p99 under rollouts ({ld['streams']} streams x {ld['max_tokens']} tokens, "
-            f"{ld['tokens_per_s']} tokens/s, {ld['completions']} completions; ms):",
-            "",
-            "| target | idle p50 | idle p99 | loaded p50 | loaded p99 | idle-after p99 | loaded/idle p99 |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for name in ro["loaded"]:
-            i, lo, a = ro["idle"][name], ro["loaded"][name], ro["idle_after"][name]
-            lines.append(
-                f"| {name} | {i.get('p50_ms')} | {i.get('p99_ms')} | {lo.get('p50_ms')} | "
-                f"{lo.get('p99_ms')} | {a.get('p99_ms')} | {ratio(lo.get('p99_ms'), i.get('p99_ms'))} |"
-            )
+    if results.get("rollouts"):
+        lines += _p99_table(results["rollouts"], "rollouts")
     tp = results.get("throughput")
     if tp:
         c = tp["_config"]
@@ -174,6 +210,9 @@ def markdown(results: dict) -> str:
                 f"{rec['server_cpu_us_per_req']} | {rec['server_cpu_util']} | {rec['latency_p50_ms']} | "
                 f"{rec['errors']} |"
             )
+    if results.get("grpc_rollouts"):
+        lines += rollouts_grpc.markdown(results)
+        lines += _p99_table(results["grpc_rollouts"]["p99"], "gRPC Generate rollouts")
     lines += fpm.markdown(results)
     lines += fpm_publish.markdown(results)
     lines += weights.markdown(results)
