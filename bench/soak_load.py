@@ -198,7 +198,7 @@ class Updater:
             self.stats.failed[source] += 1
             self.errors.add(f"update-{source}", out["code"], out["reason"], out["message"])
             if out["reason"] in (Reason.PARTIAL_UPDATE, Reason.UPDATE_TIMEOUT, Reason.STREAM_BROKEN):
-                # Left paused over mixed weights (README, Weight updates): the next update
+                # Left paused over mixed weights (docs/weights.md): the next update
                 # resumes; resume now so that rollouts keep running meanwhile.
                 with contextlib.suppress(EnginectlError):
                     client.resume_generation(force=True)

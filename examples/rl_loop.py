@@ -33,7 +33,7 @@ How the loop knows which weights produced a rollout. Two ways were possible:
   every step's output, and enginectl changes that label in the same round trip, between two
   forward passes, as it resumes generation after new weights are loaded (same step 5).
   vLLM's `/inference/v1/generate` returns the result per rollout as `weight_versions`:
-  spans of output tokens with the version that produced them (README, "Talking to it").
+  spans of output tokens with the version that produced them (docs/rollouts.md).
 
 This loop uses the second: it posts to `/inference/v1/generate` with the openai client's
 own HTTP machinery (the model name comes from `/v1/models`), and a rollout counts as

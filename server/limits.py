@@ -3,7 +3,7 @@
 Runs in the `enginectl serve` process. Pure: no gRPC, no vLLM.
 
 The values are the ones the protos document (ServerLimits in weight_update_service.proto,
-the field comments of every request) and that GetServerInfo.limits reports; README
+the field comments of every request) and that GetServerInfo.limits reports; docs/operations.md
 "Limits" lists them. A request over a bound is refused with INVALID_ARGUMENT (or
 RESOURCE_EXHAUSTED for server-wide counts) and a stable reason before anything changes.
 """

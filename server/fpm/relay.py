@@ -5,7 +5,7 @@ locked). Pure Python: no ZMQ, no gRPC server, no vLLM. Frames (contract/fpm.py) 
 through `accept` (relay_zmq.py feeds it from the ranks' publishers) and leave through
 `Subscription`s (stream.py serves them over gRPC).
 
-Rules (README.md "Forward-pass metrics: the stream and the planner", and
+Rules (docs/fpm.md "The stream and the planner", and
 forward_pass_metrics_service.proto):
 - Every accepted sample gets the next `sequence` (1, 2, ...) and the ledger's current
   `weight_revision`, and enters a ring of the newest `ring_size` samples.

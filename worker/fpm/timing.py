@@ -3,7 +3,7 @@
 Runs inside each EngineCore process (driven by the FPM publisher), but is pure: no vLLM, no
 threads, no ZMQ; the clock is injected so the rule can be tested with a fake one.
 
-The rule (README.md "Worker identity", heartbeats):
+The rule (docs/fpm.md "Worker identity", heartbeats):
 - a heartbeat is due once no sample (step or heartbeat) was made for `interval_s`, so an idle
   rank sends one every `interval_s`, and a rank stuck in one long step sends one every
   `interval_s` of that step;

@@ -6,7 +6,7 @@ Runs INSIDE every vLLM worker process, mixed into the worker by `EnginectlWorker
 and answers are the engine contract's (contract/engine.py: WorkerRpc, WorkerDigest,
 DigestSlice).
 
-Who may touch the weights, and when (README "Threads and the weights"):
+Who may touch the weights, and when (docs/weights.md "Threads and the weights"):
 - The model's parameters and kernels (including the CPU build's packed linear kernels) are
   read, written or run by enginectl only inside a worker RPC, on the thread vLLM runs worker
   RPCs on. vLLM runs those RPCs one at a time on that thread, `execute_model` (the forward
