@@ -51,6 +51,8 @@ class EngineDouble:
     calls: list[str] = field(default_factory=list)
     script: LoadScript = field(default_factory=LoadScript)
     loading: asyncio.Event = field(default_factory=asyncio.Event)  # set once a load began
+    drained: asyncio.Event | None = None  # a WAIT pause waits for it (None: drains at once)
+    draining: asyncio.Event = field(default_factory=asyncio.Event)  # set once a WAIT pause waits
     info: EngineInfo = field(
         default_factory=lambda: EngineInfo(
             model="double",
@@ -78,6 +80,9 @@ class EngineDouble:
         if mode == "abort":
             self.running = self.waiting = 0
         self.paused = True
+        if mode == "wait" and self.drained is not None:  # WAIT: answers once requests drained
+            self.draining.set()
+            await self.drained.wait()
 
     async def resume(self) -> None:
         self.calls.append("resume")

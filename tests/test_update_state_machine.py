@@ -156,6 +156,43 @@ async def test_a_resume_during_an_update_lets_the_update_resume(updates: WeightU
     assert not engine.paused
 
 
+async def test_a_caller_resume_during_an_update_that_found_the_caller_paused_is_kept(
+    updates: WeightUpdates, engine: EngineDouble
+) -> None:
+    """Paused by a caller before the update; the caller resumes while it loads: generation
+    runs again once the update ends (it must not stay paused with nobody holding it)."""
+    await updates.pause(pb2.PauseGenerationRequest(mode=pb2.PAUSE_MODE_KEEP))
+    engine.calls.clear()
+    engine.script = LoadScript(release=asyncio.Event())
+    op, _ = await updates.start(plan())
+    await asyncio.wait_for(engine.loading.wait(), WAIT_S)
+    resumed = await updates.resume(pb2.ResumeGenerationRequest())
+    assert resumed.was_paused
+    assert engine.script.release is not None
+    engine.script.release.set()
+    await finished(updates, op)
+    assert op.failure is None
+    assert engine.calls == ["load", "finish_update:resume=True"]
+    state = await updates.generation_state()
+    assert not state.paused and not engine.paused
+
+
+async def test_a_wait_pause_whose_call_ends_while_draining_is_undone(
+    updates: WeightUpdates, engine: EngineDouble
+) -> None:
+    """The caller's deadline passes (the handler is cancelled) while WAIT drains: generation
+    must not stay paused with nobody holding the pause."""
+    engine.running, engine.drained = 1, asyncio.Event()
+    call = asyncio.create_task(updates.pause(pb2.PauseGenerationRequest(mode=pb2.PAUSE_MODE_WAIT)))
+    await asyncio.wait_for(engine.draining.wait(), WAIT_S)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert engine.calls[-1] == "resume" and not engine.paused
+    state = await updates.generation_state()
+    assert not state.paused
+
+
 async def test_a_failure_before_writing_resumes_and_keeps_the_version(
     updates: WeightUpdates,
     engine: EngineDouble,

@@ -188,6 +188,12 @@ class Generation:
         started = time.monotonic()
         try:
             await self.pause_engine(mode, request.clear_cache, wait_timeout if mode == "wait" else None)
+        except asyncio.CancelledError:
+            # The call's deadline passed (or the caller left) while WAIT drained: this call's
+            # pause is undone, as when wait_timeout passes (weight_update_service.proto).
+            if mode == "wait" and not was_paused:
+                await asyncio.shield(self.resume_engine())
+            raise
         except asyncio.TimeoutError:
             if not was_paused:
                 await self.resume_engine()

@@ -75,6 +75,14 @@ class UpdatePause:
     by_update: bool = False
     in_flight: int = 0
     seconds: float = 0.0
+    # Paused by a caller's PauseGeneration when the update began: a ResumeGeneration that
+    # arrives while it runs is deferred to its end, so the update resumes then.
+    caller_held: bool = False
+
+    @property
+    def resumes(self) -> bool:
+        """Whether the update resumes generation at its end (unless a caller holds it then)."""
+        return self.by_update or self.caller_held
 
 
 def success_response(

@@ -294,7 +294,7 @@ class WeightUpdates:
                 cause, message = errors[0]
                 raise UpdateFailed(cause, message, modified=modified)
             op.metadata.weights_modified = modified
-            resumed = pause.by_update and not gen.caller_paused
+            resumed = pause.resumes and not gen.caller_paused
             self._phase(op, pb2.UPDATE_PHASE_FINGERPRINTING)
             state = await self._finish(plan, resumed)
             lock.release()
@@ -310,10 +310,10 @@ class WeightUpdates:
             self._phase(op, pb2.UPDATE_PHASE_DONE)
             self._succeeded(op, plan, state, results, started, pause, resumed)
         except UpdateFailed as failure:
-            await self._fail(op, plan, failure, pause.by_update)
+            await self._fail(op, plan, failure, pause.resumes)
         except ControlPlaneError as exc:
             await self._fail(
-                op, plan, UpdateFailed(exc.reason, exc.message, modified=op.metadata.weights_modified), pause.by_update
+                op, plan, UpdateFailed(exc.reason, exc.message, modified=op.metadata.weights_modified), pause.resumes
             )
         except Exception as exc:  # an operation must always end; logged with its traceback
             log.exception("update failed unexpectedly", operation=op.name)
@@ -321,7 +321,7 @@ class WeightUpdates:
                 op,
                 plan,
                 UpdateFailed(Cause.LOAD_FAILED, f"{type(exc).__name__}: {exc}", modified=op.metadata.weights_modified),
-                pause.by_update,
+                pause.resumes,
             )
         finally:
             if holding:
@@ -362,7 +362,8 @@ class WeightUpdates:
             # Held paused by an earlier partial update: a success here resumes.
             paused_by_update = True
         op.metadata.paused_by_update = paused_by_update
-        return UpdatePause(paused_by_update, in_flight, time.monotonic() - pause_started)
+        caller_held = not paused_by_update and gen.caller_paused
+        return UpdatePause(paused_by_update, in_flight, time.monotonic() - pause_started, caller_held)
 
     async def _finish(self, plan: UpdatePlan, resume: bool) -> VersionState:
         """After a successful load: reset the cache, fingerprint, stamp and record the version."""
