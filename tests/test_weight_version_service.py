@@ -220,9 +220,15 @@ async def test_server_info_describes_engine_and_supported_rpcs(server: ServeProc
     assert info.vllm_version.startswith("0.32")
     assert info.auth_required is False
     assert info.incarnation == server.serving["incarnation"]
-    assert set(info.api_versions) == {"enginectl.weights.v1", "enginectl.fpm.v1", "google.longrunning"}
+    assert set(info.api_versions) == {
+        "enginectl.weights.v1",
+        "enginectl.fpm.v1",
+        "google.longrunning",
+        "vllm.grpc.engine",  # vLLM's VllmEngine: rollouts on the control port
+    }
     # Every RPC of every service this server registers is implemented.
     from google.longrunning import operations_pb2
+    from smg_grpc_proto import vllm_engine_pb2
 
     from enginectl.fpm.v1 import forward_pass_metrics_service_pb2, fpm_identity_service_pb2
 
@@ -234,6 +240,7 @@ async def test_server_info_describes_engine_and_supported_rpcs(server: ServeProc
             fpm_identity_service_pb2,
             forward_pass_metrics_service_pb2,
             operations_pb2,
+            vllm_engine_pb2,
         )
         for service in module.DESCRIPTOR.services_by_name.values()
         for method in service.methods
