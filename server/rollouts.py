@@ -238,6 +238,26 @@ def _complete_relay() -> type[RolloutRelay]:
     return type("VllmEngineRelay", (RolloutRelay,), missing)
 
 
+def _methods() -> list[str]:
+    from smg_grpc_proto import vllm_engine_pb2
+
+    return [m.name for m in vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].methods]
+
+
+def guarded_methods(guard_all: bool) -> frozenset[str]:
+    """Methods ("/pkg.Service/Method") that need the token when the server has one: the
+    admin RPCs, or every RPC with --token-guards-rollouts (server/interceptors.py)."""
+    return frozenset(f"/{SERVICE}/{name}" for name in _methods() if guard_all or name in ADMIN_RPCS)
+
+
+def open_methods(guard_all: bool) -> frozenset[str]:
+    """Methods that need no token though they are not reads (Generate, Embed, Abort), unless
+    --token-guards-rollouts."""
+    if guard_all:
+        return frozenset()
+    return frozenset(f"/{SERVICE}/{name}" for name in _methods()) - guarded_methods(False)
+
+
 class RolloutService:
     """vLLM's `VllmEngine` service for the control plane's server (server/grpc_server.py)."""
 
@@ -259,15 +279,10 @@ class RolloutService:
         return [f"{SERVICE}/{method.name}" for method in self.descriptor.methods]
 
     def guarded(self, guard_all: bool) -> frozenset[str]:
-        """Methods ("/pkg.Service/Method") that need the token when the server has one."""
-        names = [m.name for m in self.descriptor.methods if guard_all or m.name in ADMIN_RPCS]
-        return frozenset(f"/{SERVICE}/{name}" for name in names)
+        return guarded_methods(guard_all)
 
     def open(self, guard_all: bool) -> frozenset[str]:
-        """Methods that need no token even though they are not reads (generation)."""
-        if guard_all:
-            return frozenset()
-        return frozenset(f"/{SERVICE}/{m.name}" for m in self.descriptor.methods) - self.guarded(False)
+        return open_methods(guard_all)
 
     def add_to_server(self, server: grpc.aio.Server, ledger: WeightVersionLedger) -> None:
         from smg_grpc_proto import vllm_engine_pb2_grpc

@@ -217,3 +217,26 @@ def test_reflection_health_and_server_info_list_the_rollout_service(weights_serv
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     info = stubs.updates.GetServerInfo(upb.GetServerInfoRequest())
     assert f"{SERVICE}/Generate" in info.supported_rpcs and "vllm.grpc.engine" in info.api_versions
+
+
+def test_flags_turn_the_service_off_or_guard_all_of_it() -> None:
+    """Who needs the token (docs/rollouts.md): generation is open by default, the admin RPCs
+    are not; --token-guards-rollouts guards every RPC; --no-grpc-rollouts serves none."""
+    from enginectl.server.interceptors import is_read_only
+    from enginectl.server.rollouts import guarded_methods, open_methods
+    from enginectl.server.serve_args import build_parser
+
+    def needs_token(method: str, guard_all: bool) -> bool:  # as RpcInterceptor decides
+        return method in guarded_methods(guard_all) or (
+            not is_read_only(method) and method not in open_methods(guard_all)
+        )
+
+    every = [f"/{SERVICE}/{m.name}" for m in vpb2.DESCRIPTOR.services_by_name["VllmEngine"].methods]
+    by_default = {m.rsplit("/", 1)[1] for m in every if needs_token(m, False)}
+    assert by_default == {"FlushCache", "StartProfile", "StopProfile"}
+    assert all(needs_token(m, True) for m in every)
+
+    parser = build_parser()
+    assert parser.parse_args([]).grpc_rollouts and not parser.parse_args([]).token_guards_rollouts
+    assert not parser.parse_args(["--no-grpc-rollouts"]).grpc_rollouts
+    assert parser.parse_args(["--token-guards-rollouts"]).token_guards_rollouts
