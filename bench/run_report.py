@@ -166,14 +166,15 @@ def markdown(results: dict) -> str:
         f"`{results['http_route']}`{' (VLLM_SERVER_DEV_MODE=1)' if results['http_route'] == '/weight_info' else ''}. "
         f"Commit {results['repo']['commit']}{' + uncommitted changes' if results['repo']['dirty'] else ''}.",
         "",
-        "| figure | baseline | baseline value | enginectl | ratio | target | met? |",
-        "|---|---|---|---|---|---|---|",
+        "| figure | baseline | baseline value | enginectl | ratio | target | met? | physical floor |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for f in results["figures"]:
         met = "n/a" if f["met"] is None else ("yes" if f["met"] else "**no**")
         lines.append(
             f"| {f['figure']} | {f['baseline']} | {_fmt(f['baseline_value'], f['unit'])} | "
-            f"{_fmt(f['enginectl_value'], f['unit'])} | {f['ratio']} | {f['target']} | {met} |"
+            f"{_fmt(f['enginectl_value'], f['unit'])} | {f['ratio']} | {f['target']} | {met} | "
+            f"{f.get('floor', '')} |"
         )
     lat = results.get("latency")
     if lat:

@@ -1,33 +1,56 @@
-"""Weight updates and pause/resume (bench/README.md, figure 6), each against its baseline in one run.
+"""Weight updates and pause/resume (bench/README.md, figure 6), each against its baseline and
+its physical floor in one run, on two checkpoints.
 
 Runs in the `python -m bench` process, which only orchestrates: a worker subprocess builds
-(once, under bench/.cache, never committed) a synthetic float32 Llama with hidden size 1024
-(4 layers, ~200 MB; `--quick`: 1 layer, ~60 MB), an `enginectl serve` subprocess serves it
-(VLLM_SERVER_DEV_MODE=1 for vLLM's /pause, /resume and /collective_rpc routes), and
-`python -m bench.weights_clients run` measures every figure and its baseline interleaved,
-rep by rep, on the same server and the same bytes (see that module for what each pair is).
+(once, under bench/.cache, never committed) two synthetic float32 Llamas of about 200 MB
+(bench/checkpoints.py: "few large", 39 tensors; "many small", 489 tensors shaped like a real
+Llama's); then, per checkpoint, an `enginectl serve` subprocess serves it
+(VLLM_SERVER_DEV_MODE=1 for vLLM's /pause, /resume and /collective_rpc routes) and
+`python -m bench.weights_clients run` measures every figure, its baseline and the floors
+(bench/floors.py) interleaved, rep by rep, on that server and the same bytes.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+from pathlib import Path
 from typing import Any
+
+from bench.checkpoints import Checkpoint, checkpoints
 
 PAUSE_TARGET_MS = 5.0
 TARGETS = {"disk": 0.9, "gloo": 0.9, "tensors": 0.8}
 
 
-def phase(quick: bool) -> dict[str, Any]:
-    from bench.procs import Worker, enginectl_server
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-    builder = Worker(["build", "--layers", "1" if quick else "4"], module="bench.weights_clients")
+
+def phase(quick: bool) -> dict[str, Any]:
+    from bench.procs import Worker
+
+    log("weights: building the synthetic checkpoints (once, under bench/.cache)")
+    builder = Worker(["build", *(["--quick"] if quick else [])], module="bench.weights_clients")
     try:
-        model = builder.expect("result", 600)["model"]
+        models = builder.expect("result", 900)["models"]
     finally:
         builder.finish()
+    out: dict[str, Any] = {"checkpoints": {}}
+    for ckpt in checkpoints(quick):
+        log(f"weights: {ckpt.label} checkpoint, its own server")
+        out["checkpoints"][ckpt.key] = measure(ckpt, Path(models[ckpt.key]), quick)
+    return out
+
+
+def measure(ckpt: Checkpoint, model: Path, quick: bool) -> dict[str, Any]:
+    """Serve `model` with its own `enginectl serve` and measure every figure on it."""
+    from bench.procs import Worker, enginectl_server
+
     server = enginectl_server(
         [
             "--model",
-            model,
+            str(model),
             "--dtype",
             "float32",
             "--enforce-eager",
@@ -40,10 +63,10 @@ def phase(quick: bool) -> dict[str, Any]:
             "--seed",
             "0",
             "--allow-weights-from",
-            model,
+            str(model),
         ]
     )
-    server.name = "enginectl-weights"
+    server.name = f"enginectl-weights-{ckpt.key}"
     server.start()
     try:
         server.wait_ready()
@@ -55,7 +78,7 @@ def phase(quick: bool) -> dict[str, Any]:
                 "--http-port",
                 str(server.http_port),
                 "--model",
-                model,
+                str(model),
                 "--reps",
                 "2" if quick else "7",
                 "--pause-reps",
@@ -67,13 +90,13 @@ def phase(quick: bool) -> dict[str, Any]:
             result = worker.expect("result", 1800)
         finally:
             worker.finish()
-        result.pop("event", None)
-        result["model"] = model
-        return result
     finally:
-        result_stop = server.stop()
-        if result_stop.get("children_left"):
-            raise RuntimeError(f"the weights server left children: {result_stop}")
+        stop = server.stop()
+        if stop.get("children_left"):
+            raise RuntimeError(f"the weights server left children: {stop}")
+    result.pop("event", None)
+    result.update(model=str(model), label=ckpt.label, hidden=ckpt.hidden, layers=ckpt.layers, server_stop=stop)
+    return result
 
 
 def _ratio(a: float, b: float) -> float:
@@ -84,12 +107,21 @@ def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
     res = results.get("weights")
     if not res:
         return []
-    mb = res["payload_bytes"] / 1e6
-    pause = res["pause"]
+    out = []
+    for key, ck in res["checkpoints"].items():
+        out += _checkpoint_figures(key, ck)
+    return out
+
+
+def _checkpoint_figures(key: str, ck: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pause row and the three update rows of one checkpoint, each with its floor."""
+    what = f"{ck['label']} ({ck['num_tensors']} tensors, {ck['payload_bytes'] / 1e6:.0f} MB)"
+    pause, trip = ck["pause"], ck["engine_round_trip_floor"]
     ours_ms, http_ms = pause["enginectl"]["median_ms"], pause["vllm_http"]["median_ms"]
     out = [
         {
-            "figure": "PauseGeneration + ResumeGeneration round trip",
+            "figure": f"PauseGeneration + ResumeGeneration round trip, {ck['label']}",
+            "checkpoint": key,
             "baseline": "vLLM HTTP /pause + /resume",
             "baseline_value": http_ms,
             "enginectl_value": ours_ms,
@@ -97,45 +129,45 @@ def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
             "ratio": _ratio(ours_ms, http_ms),
             "target": f"<= {PAUSE_TARGET_MS} ms",
             "met": ours_ms <= PAUSE_TARGET_MS,
+            "floor_value": trip["floor_ms"],
+            "floor": f"{trip['floor_ms']:.3f} ms (2 x GetGenerationState p50)",
         }
     ]
-    disk, gloo, tensors = res["disk"], res["gloo"], res["tensors"]
+    disk, gloo, tensors, copy = ck["disk"], ck["gloo"], ck["tensors"], ck["memcpy_floor"]
     reload_gbs = disk["reload_weights"]["gb_per_s"]
     rows = [
-        (
-            "disk",
-            f"UpdateWeightsFromDisk, {mb:.0f} MB",
-            "in-process reload_weights",
-            reload_gbs,
-            disk["enginectl"]["gb_per_s"],
-        ),
+        ("disk", "UpdateWeightsFromDisk", "in-process reload_weights", reload_gbs, disk),
         (
             "gloo",
-            f"UpdateWeightsFromDistributed (gloo), {mb:.0f} MB",
+            "UpdateWeightsFromDistributed (gloo)",
             "min(raw gloo broadcast, reload_weights)",
             min(gloo["raw_gloo"]["gb_per_s"], reload_gbs),
-            gloo["enginectl"]["gb_per_s"],
+            gloo,
         ),
         (
             "tensors",
-            f"UpdateWeightsFromTensors, {mb:.0f} MB",
+            "UpdateWeightsFromTensors",
             "raw gRPC client stream",
             tensors["raw_grpc_stream"]["gb_per_s"],
-            tensors["enginectl"]["gb_per_s"],
+            tensors,
         ),
     ]
-    for key, figure, baseline, base, ours in rows:
+    for kind, rpc, baseline, base, group in rows:
+        ours = group["enginectl"]["gb_per_s"]
         ratio = _ratio(ours, base)
         out.append(
             {
-                "figure": figure,
+                "figure": f"{rpc}, {what}",
+                "checkpoint": key,
                 "baseline": baseline,
                 "baseline_value": base,
                 "enginectl_value": ours,
                 "unit": "GB/s",
                 "ratio": ratio,
-                "target": f">= {TARGETS[key]}",
-                "met": ratio >= TARGETS[key],
+                "target": f">= {TARGETS[kind]}",
+                "met": ratio >= TARGETS[kind],
+                "floor_value": copy["gb_per_s"],
+                "floor": f"memcpy {copy['gb_per_s']:.3f} GB/s = {copy['median_ms']:.0f} ms",
             }
         )
     return out
@@ -145,25 +177,57 @@ def markdown(results: dict[str, Any]) -> list[str]:
     res = results.get("weights")
     if not res:
         return []
+    lines: list[str] = []
+    for ck in res["checkpoints"].values():
+        lines += _checkpoint_table(ck)
+    lines += [
+        "",
+        "server ms: the Operation's own duration (acceptance to done: pause, receive/load, cache "
+        "reset, fingerprints, resume); rank 0 receive+load ms: RankUpdateResult.duration. "
+        "/ floor: median ms over the row's floor ms.",
+        "",
+        "Floors, measured in the same run by the bench's client process on the same machine "
+        "(bench/floors.py): *memcpy*: every load writes the whole payload into the parameters at "
+        "least once, so no load beats `Tensor.copy_` of the checkpoint's own tensors into "
+        "buffers allocated once (a first pass faults them in; one pass is timed after every update "
+        "rep, with 1 thread and with torch's default, and the faster median is the floor: on a busy "
+        "2-core machine a parallel copy stalls on a descheduled thread; floor ms = payload / that "
+        "bandwidth); the flat row copies the same bytes as one buffer. "
+        "*Engine round trip*: pause and resume each need one EngineCore utility round trip "
+        "behind one gRPC call; GetGenerationState is one gRPC call making exactly one EngineCore "
+        "round trip per rank (server/weights/generation.py, server/engine.py), sampled twice "
+        "between pause reps: the pause + resume floor is 2 x its p50.",
+    ]
+    return lines
+
+
+def _checkpoint_table(ck: dict[str, Any]) -> list[str]:
+    copy, trip = ck["memcpy_floor"], ck["engine_round_trip_floor"]
     lines = [
         "",
         (
-            f"Weight updates ({res['num_tensors']} tensors, {res['payload_bytes'] / 1e6:.0f} MB float32, "
-            "synthetic Llama hidden 1024, files in page cache; medians of interleaved reps):"
+            f"Weight updates, {ck['label']} ({ck['num_tensors']} tensors, {ck['payload_bytes'] / 1e6:.0f} MB "
+            f"float32, synthetic Llama hidden {ck['hidden']}, {ck['layers']} layers, files in page cache; "
+            "medians of interleaved reps):"
         ),
         "",
-        "| measure | n | median ms | min ms | GB/s | server ms | rank 0 receive+load ms |",
-        "|---|---|---|---|---|---|---|",
+        "| measure | n | median ms | min ms | GB/s | server ms | rank 0 receive+load ms | floor ms | / floor |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for group in ("pause", "disk", "gloo", "tensors"):
-        for name, s in res[group].items():
+        floor_ms = trip["floor_ms"] if group == "pause" else copy["median_ms"]
+        for name, s in ck[group].items():
             lines.append(
                 f"| {group}: {name} | {s['n']} | {s['median_ms']} | {s['min_ms']} | "
-                f"{s.get('gb_per_s', '')} | {s.get('server_ms', '')} | {s.get('rank_ms', '')} |"
+                f"{s.get('gb_per_s', '')} | {s.get('server_ms', '')} | {s.get('rank_ms', '')} | "
+                f"{floor_ms} | {_ratio(s['median_ms'], floor_ms)} |"
             )
-    lines.append("")
-    lines.append(
-        "server ms: the Operation's own duration (acceptance to done: pause, receive/load, cache "
-        "reset, fingerprints, resume); rank 0 receive+load ms: RankUpdateResult.duration."
-    )
+    lines += [
+        f"| floor: memcpy, per-tensor copy_ (faster: {copy['torch_threads']} thread(s)) | {copy['passes']} | "
+        f"{copy['median_ms']} | {copy['min_ms']} | {copy['gb_per_s']} |  |  |  |  |",
+        f"| floor: memcpy, one flat buffer | {copy['passes']} | {copy['flat_median_ms']} |  | "
+        f"{copy['flat_gb_per_s']} |  |  |  |  |",
+        f"| floor: GetGenerationState (one engine round trip) | {trip['n']} | {trip['p50_ms']} | "
+        f"{trip['min_ms']} |  |  |  |  |  |",
+    ]
     return lines

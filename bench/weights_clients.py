@@ -1,13 +1,16 @@
 """Load side of the weight-update bench (bench/weights.py): `python -m bench.weights_clients MODE`.
 
 Runs in subprocesses of `python -m bench`, speaking JSON lines on stdout:
-- `build --layers N`: build (once) the synthetic bench model; prints {"event": "result", "model": dir}.
+- `build [--quick]`: build (once) both synthetic checkpoints (bench/checkpoints.py); prints
+  {"event": "result", "models": {key: dir}}.
 - `run --target T --http-port P --model DIR --reps N`: measures, interleaved rep by rep, each
   enginectl figure and its baseline on the same server and the same bytes:
     pause     PauseGeneration(KEEP) + ResumeGeneration  vs  vLLM HTTP /pause?mode=keep + /resume
     disk      UpdateWeightsFromDisk(DIR)                vs  vLLM /collective_rpc reload_weights(DIR)
     tensors   TrainerClient.update_weights_from_tensors vs  the same stream messages to a gRPC sink
     gloo      TrainerClient.broadcast_weights           vs  a raw gloo broadcast to another process
+  and, in the same run, the physical floors (bench/floors.py): GetGenerationState between the
+  pause reps, and the memcpy bandwidth of the checkpoint's tensors into reused buffers.
 - `sink`: a bare grpc server whose one client-streaming method drops what it receives.
 - `gloo-recv --port P --file F --reps N`: rank 1 of a raw two-process gloo group.
 """
@@ -17,8 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -29,61 +30,11 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
+from bench import checkpoints, floors
 from bench.lines import emit
 
-CACHE_DIR = Path(__file__).resolve().parent / ".cache"
-HIDDEN, INTERMEDIATE, HEADS = 1024, 2816, 16
 SINK_METHOD = "/bench.Sink/Stream"
 CHUNK_BYTES = 2 * 1024 * 1024
-
-
-# -- the synthetic model ---------------------------------------------------------------------
-def build(layers: int) -> Path:
-    """A random float32 Llama (hidden 1024, `layers` layers) next to the embedded model's
-    tokenizer, under bench/.cache (never committed)."""
-    import torch
-    from safetensors.torch import save_file
-
-    from enginectl.server.default_model import ensure_default_model
-
-    out = CACHE_DIR / f"llama-h{HIDDEN}-l{layers}"
-    if (out / "model.safetensors").exists():
-        return out
-    tiny = ensure_default_model()
-    tmp = CACHE_DIR / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(tiny, tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    config.update(
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=layers,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        head_dim=HIDDEN // HEADS,
-        torch_dtype="float32",
-    )
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    vocab = int(config["vocab_size"])
-    g = torch.Generator().manual_seed(0)
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (vocab, HIDDEN),
-        "model.norm.weight": (HIDDEN,),
-        "lm_head.weight": (vocab, HIDDEN),
-    }
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            shapes[p + f"self_attn.{name}.weight"] = (HIDDEN, HIDDEN)
-        shapes[p + "mlp.gate_proj.weight"] = (INTERMEDIATE, HIDDEN)
-        shapes[p + "mlp.up_proj.weight"] = (INTERMEDIATE, HIDDEN)
-        shapes[p + "mlp.down_proj.weight"] = (HIDDEN, INTERMEDIATE)
-        shapes[p + "input_layernorm.weight"] = (HIDDEN,)
-        shapes[p + "post_attention_layernorm.weight"] = (HIDDEN,)
-    state = {n: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * 0.02) for n, s in shapes.items()}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    os.replace(tmp, out)
-    return out
 
 
 # -- baselines ---------------------------------------------------------------------------------
@@ -196,46 +147,68 @@ def summary(times: list[float], nbytes: int = 0, results: Sequence[Any] = ()) ->
 
 
 def run(target: str, http_port: int, model: Path, reps: int, pause_reps: int) -> dict[str, Any]:
-    import grpc
     from safetensors.torch import load_file
 
     from enginectl.client import TrainerClient
-    from enginectl.client.trainer_tensors import chunks, named_tensors, tensor_spec
-    from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+    from enginectl.client.trainer_tensors import named_tensors
 
     file = model / "model.safetensors"
-    nbytes = file.stat().st_size
     file.read_bytes()  # into the page cache
-    state = load_file(str(file))
-    payload = sum(t.numel() * t.element_size() for t in state.values())
-    results: dict[str, Any] = {"file_bytes": nbytes, "payload_bytes": payload, "num_tensors": len(state)}
-    client = TrainerClient(target, timeout=600)
+    named = named_tensors(load_file(str(file)))
+    payload = sum(t.numel() * t.element_size() for _, t in named)
+    results: dict[str, Any] = {"file_bytes": file.stat().st_size, "payload_bytes": payload, "num_tensors": len(named)}
+    copy = floors.MemcpyFloor([t for _, t in named])
+    with TrainerClient(target, timeout=600) as client:
+        results["pause"], get_state = measure_pause(client, http_port, pause_reps)
+        results["engine_round_trip_floor"] = floors.engine_round_trips(get_state)
+        results["disk"] = measure_disk(client, http_port, model, payload, reps, copy)
+        results["tensors"] = measure_tensors(client, named, payload, reps, copy)
+        results["gloo"] = measure_gloo(client, str(file), named, payload, reps, copy)
+    results["memcpy_floor"] = copy.result()
+    return results
 
-    # Pause + resume round trip.
-    ours, theirs = [], []
-    for _ in range(pause_reps):
+
+def measure_pause(client: Any, http_port: int, reps: int) -> tuple[dict[str, Any], list[float]]:
+    """Pause + resume round trips, enginectl vs vLLM HTTP; and the GetGenerationState wall
+    times sampled between them (two a rep) for the round-trip floor."""
+    ours, theirs, get_state = [], [], []
+    for _ in range(reps):
         t0 = time.perf_counter()
         client.pause_generation("keep")
         client.resume_generation()
         ours.append(time.perf_counter() - t0)
         theirs.append(http_post(http_port, "/pause?mode=keep") + http_post(http_port, "/resume"))
-    results["pause"] = {"enginectl": summary(ours), "vllm_http": summary(theirs)}
+        for _ in range(2):
+            t0 = time.perf_counter()
+            client.generation_state()
+            get_state.append(time.perf_counter() - t0)
+    return {"enginectl": summary(ours), "vllm_http": summary(theirs)}, get_state
 
-    # Disk: enginectl vs vLLM's own reload_weights from the same directory.
+
+def measure_disk(
+    client: Any, http_port: int, model: Path, payload: int, reps: int, copy: floors.MemcpyFloor
+) -> dict[str, Any]:
+    """enginectl's UpdateWeightsFromDisk vs vLLM's own reload_weights of the same directory."""
     ours, theirs, done = [], [], []
+    body = {"method": "reload_weights", "kwargs": {"weights_path": str(model)}}
     for i in range(reps):
         t0 = time.perf_counter()
         done.append(client.update_weights_from_disk(str(model), f"disk-{i}"))
         ours.append(time.perf_counter() - t0)
-        theirs.append(
-            http_post(
-                http_port, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model)}}
-            )
-        )
-    results["disk"] = {"enginectl": summary(ours, payload, done), "reload_weights": summary(theirs, payload)}
+        theirs.append(http_post(http_port, "/collective_rpc", body))
+        copy.sample()
+    return {"enginectl": summary(ours, payload, done), "reload_weights": summary(theirs, payload)}
 
-    # Tensor stream: enginectl end to end (incl. load) vs the same messages into a gRPC sink.
-    named = named_tensors(state)
+
+def measure_tensors(
+    client: Any, named: list[tuple[str, Any]], payload: int, reps: int, copy: floors.MemcpyFloor
+) -> dict[str, Any]:
+    """enginectl's tensor stream end to end (incl. the load) vs the same messages into a gRPC sink."""
+    import grpc
+
+    from enginectl.client.trainer_tensors import chunks, tensor_spec
+    from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
     header = pb2.UpdateWeightsFromTensorsRequest(
         header=pb2.TensorStreamHeader(tensors=[tensor_spec(n, t) for n, t in named])
     )
@@ -261,31 +234,35 @@ def run(target: str, http_port: int, model: Path, reps: int, pause_reps: int) ->
             got = int.from_bytes(send(iter([header, *chunks(named, CHUNK_BYTES)]), timeout=600), "little")
             theirs.append(time.perf_counter() - t0)
             assert got == payload, (got, payload)
+            copy.sample()
         channel.close()
     finally:
         assert sink_proc.stdin is not None
         sink_proc.stdin.close()
         sink_proc.wait(60)
-    results["tensors"] = {"enginectl": summary(ours, payload, done), "raw_grpc_stream": summary(theirs, payload)}
+    return {"enginectl": summary(ours, payload, done), "raw_grpc_stream": summary(theirs, payload)}
 
-    # Gloo: enginectl (this process is the trainer) vs a raw two-process gloo broadcast.
+
+def measure_gloo(
+    client: Any, file: str, named: list[tuple[str, Any]], payload: int, reps: int, copy: floors.MemcpyFloor
+) -> dict[str, Any]:
+    """enginectl's broadcast (this process is the trainer) vs a raw two-process gloo broadcast."""
     client.init_weights_update_group("bench", timeout=120)
     ours, done = [], []
     for i in range(reps):
         t0 = time.perf_counter()
         done.append(client.broadcast_weights(named, f"gloo-{i}", group_name="bench"))
         ours.append(time.perf_counter() - t0)
+        copy.sample()
     client.destroy_weights_update_group("bench")
-    theirs = raw_gloo(str(file), [t for _, t in named], reps)
-    results["gloo"] = {"enginectl": summary(ours, payload, done), "raw_gloo": summary(theirs, payload)}
-    client.close()
-    return results
+    theirs = raw_gloo(file, [t for _, t in named], reps)
+    return {"enginectl": summary(ours, payload, done), "raw_gloo": summary(theirs, payload)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.weights_clients")
     parser.add_argument("mode", choices=("build", "run", "sink", "gloo-recv"))
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="build: the smoke-run checkpoints")
     parser.add_argument("--target")
     parser.add_argument("--http-port", type=int)
     parser.add_argument("--model", type=Path)
@@ -296,7 +273,8 @@ def main() -> None:
     args = parser.parse_args()
     try:
         if args.mode == "build":
-            emit("result", model=str(build(args.layers)))
+            built = {c.key: str(checkpoints.build(c)) for c in checkpoints.checkpoints(args.quick)}
+            emit("result", models=built)
         elif args.mode == "run":
             emit("result", **run(args.target, args.http_port, args.model, args.reps, args.pause_reps))
         elif args.mode == "sink":
