@@ -65,6 +65,10 @@ class Utility(str, enum.Enum):
     attach them to vLLM's EngineCore); they run on the engine thread, between steps."""
 
     GENERATION_STATE = "enginectl_generation_state"
+    # Pause (vLLM's pause_scheduler) or resume, answering the rank's state from just before:
+    # PauseGeneration and ResumeGeneration in one round trip per rank.
+    PAUSE = "enginectl_pause"
+    RESUME = "enginectl_resume"
     FINISH_UPDATE = "enginectl_finish_update"
     SET_WORKER_IDENTITY = "enginectl_set_worker_identity"
     GET_WORKER_IDENTITY = "enginectl_get_worker_identity"

@@ -258,6 +258,16 @@ class EngineAdapter:
     async def resume(self) -> None:
         await self._call_all(VllmUtility.RESUME_SCHEDULER.value)
 
+    async def pause_reporting(self, mode: str, clear_cache: bool) -> list[RankGenerationState]:
+        """`pause`, answering every rank's state from just before it: one round trip per rank
+        (needs enginectl's EngineCore utilities)."""
+        answers = await self._call_all(Utility.PAUSE.value, mode, clear_cache)
+        return [read(RankGenerationState, r) for r in answers]
+
+    async def resume_reporting(self) -> list[RankGenerationState]:
+        """`resume`, answering every rank's state from just before it (one round trip per rank)."""
+        return [read(RankGenerationState, r) for r in await self._call_all(Utility.RESUME.value)]
+
     async def reset_prefix_cache(self) -> None:
         """Drop cached KV on every rank, preempting running requests (they recompute): blocks
         computed with old weights must never be reused (worker/engine_core.py)."""

@@ -88,6 +88,16 @@ class EngineDouble:
         self.calls.append("resume")
         self.paused = False
 
+    async def pause_reporting(self, mode: str, clear_cache: bool) -> list[RankGenerationState]:
+        before = await self.generation_state()
+        await self.pause(mode, clear_cache)
+        return before
+
+    async def resume_reporting(self) -> list[RankGenerationState]:
+        before = await self.generation_state()
+        await self.resume()
+        return before
+
     async def reset_prefix_cache(self) -> None:
         self.calls.append("reset_prefix_cache")
 

@@ -92,6 +92,16 @@ def test_one_update_reaches_both_ranks(dp_server: ServeProcess, checkpoints: Che
     ]
     state = updates.GetGenerationState(upb.GetGenerationStateRequest()).state
     assert [r.dp_rank for r in state.ranks] == [0, 1] and not state.paused
+
+    # Pause and resume reach both EngineCores (one round trip each, answering their states).
+    paused = updates.PauseGeneration(upb.PauseGenerationRequest(mode=upb.PAUSE_MODE_KEEP))
+    assert not paused.was_paused and [(r.dp_rank, r.paused) for r in paused.state.ranks] == [(0, True), (1, True)]
+    state = updates.GetGenerationState(upb.GetGenerationStateRequest()).state
+    assert [(r.dp_rank, r.paused) for r in state.ranks] == [(0, True), (1, True)]
+    resumed = updates.ResumeGeneration(upb.ResumeGenerationRequest())
+    assert resumed.was_paused and [(r.dp_rank, r.paused) for r in resumed.state.ranks] == [(0, False), (1, False)]
+    state = updates.GetGenerationState(upb.GetGenerationStateRequest()).state
+    assert [(r.dp_rank, r.paused) for r in state.ranks] == [(0, False), (1, False)]
     channel.close()
 
 

@@ -8,6 +8,7 @@ contract (contract/engine.py `Utility`); they run on the engine thread, between 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 from vllm.v1.engine.core import EngineCore
@@ -29,6 +30,33 @@ def enginectl_generation_state(self: EngineCore) -> Any:
             waiting=len(scheduler.waiting),
         )
     )
+
+
+def enginectl_pause(self: EngineCore, mode: str, clear_cache: bool) -> Any:
+    """vLLM's pause_scheduler, answering this rank's RankGenerationState from just before it
+    (once the pause completed, as vLLM's own utility answers)."""
+    before = enginectl_generation_state(self)
+    pausing = self.pause_scheduler(mode, clear_cache)  # type: ignore[arg-type]
+    if pausing is None:
+        return before
+    answer: Future[Any] = Future()
+
+    def paused(done: Future[Any]) -> None:
+        error = done.exception()
+        if error is not None:
+            answer.set_exception(error)
+        else:
+            answer.set_result(before)
+
+    pausing.add_done_callback(paused)
+    return answer
+
+
+def enginectl_resume(self: EngineCore) -> Any:
+    """vLLM's resume_scheduler, answering this rank's RankGenerationState from just before."""
+    before = enginectl_generation_state(self)
+    self.resume_scheduler()
+    return before
 
 
 def enginectl_finish_update(self: EngineCore, request_wire: Any) -> Any:
@@ -57,3 +85,5 @@ def enginectl_finish_update(self: EngineCore, request_wire: Any) -> Any:
 
 setattr(EngineCore, Utility.GENERATION_STATE.value, enginectl_generation_state)
 setattr(EngineCore, Utility.FINISH_UPDATE.value, enginectl_finish_update)
+setattr(EngineCore, Utility.PAUSE.value, enginectl_pause)
+setattr(EngineCore, Utility.RESUME.value, enginectl_resume)

@@ -38,6 +38,10 @@ class PauseEngine(Protocol):
 
     async def resume(self) -> None: ...
 
+    async def pause_reporting(self, mode: str, clear_cache: bool) -> list[RankGenerationState]: ...
+
+    async def resume_reporting(self) -> list[RankGenerationState]: ...
+
 
 def duration(seconds: float) -> duration_pb2.Duration:
     d = duration_pb2.Duration()
@@ -153,6 +157,10 @@ class Generation:
             await call
         else:
             await asyncio.wait_for(call, timeout)
+        self._paused(mode, reason)
+
+    def _paused(self, mode: str, reason: str) -> None:
+        """Every rank paused with `mode`."""
         if self.pause_time is None:
             self.pause_time = time.time()
             if self._on_pause is not None:
@@ -183,9 +191,14 @@ class Generation:
                 )
             self.caller_paused = True
             return pb2.PauseGenerationResponse(state=await self.state(), was_paused=True)
+        started = time.monotonic()
+        if self.utilities and mode != "wait":
+            # KEEP and ABORT: one round trip per rank, which answers the state before pausing.
+            before = await self._engine.pause_reporting(mode, request.clear_cache)
+            self._paused(mode, "caller")
+            return await self._paused_answer(mode, before, started)
         before = await self.ranks()
         was_paused = any(r.paused for r in before)
-        started = time.monotonic()
         try:
             await self.pause_engine(mode, request.clear_cache, wait_timeout if mode == "wait" else None)
         except asyncio.CancelledError:
@@ -204,6 +217,13 @@ class Generation:
                 if not was_paused
                 else f"requests did not drain within {wait_timeout:.3f}s",
             ) from None
+        return await self._paused_answer(mode, before, started)
+
+    async def _paused_answer(
+        self, mode: str, before: list[RankGenerationState], started: float
+    ) -> pb2.PauseGenerationResponse:
+        """PauseGeneration's answer, once every rank paused; `before`: their states before."""
+        was_paused = any(r.paused for r in before)
         self.caller_paused = True
         in_flight = sum(r.running + r.waiting for r in before)
         # Right after the pause: KEEP holds the requests where they were, ABORT ended them (no
@@ -239,9 +259,13 @@ class Generation:
                 "the last update failed part-way and the weights may be mixed: load weights again, "
                 "or resume with force=true to generate with them anyway",
             )
-        ranks = await self.ranks()
+        if self.utilities:  # one round trip per rank, which answers the state before resuming
+            ranks = await self._engine.resume_reporting()
+            self.resumed()
+        else:
+            ranks = await self.ranks()
+            await self.resume_engine()
         was_paused = any(r.paused for r in ranks)
-        await self.resume_engine()
         self.caller_paused = False
         self.partial = False
         after = [RankGenerationState(r.dp_rank, False, r.running, r.waiting) for r in ranks]
