@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
-import multiprocessing
-import os
 import signal
 import threading
-import time
 from argparse import Namespace
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -27,7 +23,6 @@ from multiprocessing import connection
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
-import psutil
 import structlog
 
 from enginectl.contract.engine import (
@@ -49,6 +44,7 @@ from enginectl.contract.engine import (
     wire,
 )
 from enginectl.server.control_loop import run_on
+from enginectl.server.engine_processes import reap_children
 from enginectl.server.errors import ControlPlaneError, Reason
 
 if TYPE_CHECKING:
@@ -428,75 +424,6 @@ def _exited(process: Any) -> str:
     else:
         how = f"exited with code {code}"
     return f"{process.name} (pid {process.pid}) {how}"
-
-
-PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
-
-
-def adopt_orphans() -> bool:
-    """Make this process the subreaper of its descendants (Linux): a grandchild orphaned by a
-    dying child, such as a vLLM worker whose EngineCore was killed, is re-parented here
-    instead of to init, so `reap_children` still finds and stops it. Call before the engine
-    starts; returns whether it took effect."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
-    except (OSError, AttributeError):  # not Linux
-        return False
-
-
-def reap_children(timeout: float) -> None:
-    """Join every child process; terminate, then kill, whatever is still alive; then stop
-    multiprocessing's resource tracker, last: it exits only once every process holding its
-    pipe (each spawned child, and their children) is gone, so stopping it first would wait
-    for a straggler, e.g. a worker orphaned by a killed EngineCore, for as long as it lives."""
-    deadline = time.monotonic() + timeout
-    for child in multiprocessing.active_children():
-        child.join(max(deadline - time.monotonic(), 0.0))
-    me = psutil.Process(os.getpid())
-    tracker = _resource_tracker_pid()
-    _terminate_then_kill([c for c in me.children(recursive=True) if c.pid != tracker], timeout)
-    _stop_resource_tracker()
-    _terminate_then_kill(me.children(recursive=True), timeout)  # whatever is left (a hung tracker)
-    for child in multiprocessing.active_children():  # collect exit codes, no zombies
-        child.join(0)
-
-
-def _terminate_then_kill(processes: list[psutil.Process], timeout: float) -> None:
-    for process in processes:
-        try:
-            process.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
-    for process in alive:
-        log.warning("killing child process that ignored SIGTERM", pid=process.pid)
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=timeout)
-
-
-def _resource_tracker_pid() -> int | None:
-    from multiprocessing import resource_tracker
-
-    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return pid if isinstance(pid, int) else None
-
-
-def _stop_resource_tracker() -> None:
-    """multiprocessing's resource tracker ignores SIGTERM and only exits when its pipe closes;
-    close it now (it then unlinks anything leaked) instead of leaving it behind."""
-    from multiprocessing import resource_tracker
-
-    tracker = resource_tracker._resource_tracker
-    stop = getattr(tracker, "_stop", None)
-    if stop is not None and getattr(tracker, "_pid", None) is not None:
-        try:
-            stop()
-        except (OSError, ChildProcessError):
-            pass
 
 
 def _engine_dead(message: str) -> ControlPlaneError:

@@ -233,7 +233,7 @@ async def serve(args: argparse.Namespace) -> int:
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
 
     from enginectl.server.control_loop import ControlLoop
-    from enginectl.server.engine import adopt_orphans
+    from enginectl.server.engine_processes import adopt_orphans
     from enginectl.server.fpm.identity_gate import configure_identity
     from enginectl.server.fpm.relay_zmq import FpmRelayHost
     from enginectl.server.weights.update_service import allowed_roots, configure_engine_args
