@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
@@ -54,6 +54,25 @@ class UpdateOperation:
 
     def touch(self) -> None:
         self.metadata.update_time.FromNanoseconds(time.time_ns())
+
+    async def follow_progress(self, reports: Callable[[], Awaitable[tuple[int, int, int]]], ranks: int) -> None:
+        """Fold the workers' progress reports ((dp_rank, tensors, bytes) from `reports`, the
+        update's channels) into the metadata, until cancelled; totals count once every one of
+        the `ranks` reported."""
+        done: dict[int, tuple[int, int]] = {}
+        while True:
+            rank, tensors, nbytes = await reports()
+            done[rank] = (tensors, nbytes)
+            for progress in self.metadata.ranks:
+                if progress.dp_rank == rank:
+                    progress.tensors_done, progress.bytes_done = tensors, nbytes
+                    progress.phase = pb2.UPDATE_PHASE_LOADING
+            self.metadata.tensors_done = min(t for t, _ in done.values()) if len(done) == ranks else 0
+            self.metadata.bytes_done = min(b for _, b in done.values()) if len(done) == ranks else 0
+            if self.metadata.tensors_done:
+                self.metadata.phase = pb2.UPDATE_PHASE_LOADING
+                self.metadata.weights_modified = True
+            self.touch()
 
     def finish(
         self, *, response: pb2.UpdateWeightsResponse | None = None, error: status_pb2.Status | None = None

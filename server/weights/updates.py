@@ -466,7 +466,7 @@ class WeightUpdates:
             deadline=deadline,
         )
         load = asyncio.ensure_future(self._engine.load(worker_plan, timeout=plan.timeout + RPC_GRACE_S))
-        progress = asyncio.ensure_future(self._progress(op, channels))
+        progress = asyncio.ensure_future(op.follow_progress(channels.next_progress, self._ranks))
         loop = asyncio.get_running_loop()
         timer = loop.call_at(
             loop.time() + max(deadline - time.time(), 0.0),
@@ -483,20 +483,3 @@ class WeightUpdates:
             if feeding is not None and not feeding.done():
                 feeding.cancel()
             progress.cancel()
-
-    async def _progress(self, op: UpdateOperation, channels: UpdateChannels) -> None:
-        """Fold the workers' progress reports into the operation's metadata."""
-        done: dict[int, tuple[int, int]] = {}
-        while True:
-            rank, tensors, nbytes = await channels.next_progress()
-            done[rank] = (tensors, nbytes)
-            for progress in op.metadata.ranks:
-                if progress.dp_rank == rank:
-                    progress.tensors_done, progress.bytes_done = tensors, nbytes
-                    progress.phase = pb2.UPDATE_PHASE_LOADING
-            op.metadata.tensors_done = min(t for t, _ in done.values()) if len(done) == self._ranks else 0
-            op.metadata.bytes_done = min(b for _, b in done.values()) if len(done) == self._ranks else 0
-            if op.metadata.tensors_done:
-                op.metadata.phase = pb2.UPDATE_PHASE_LOADING
-                op.metadata.weights_modified = True
-            op.touch()
