@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import structlog
 
 from enginectl.common.rollout_trailers import DECLARED_TRAILER, REVISION_TRAILER, VERSIONS_TRAILER, encode_versions
 from enginectl.contract.engine import UNDECLARED_LABEL
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
 
     from enginectl.server.weights.ledger import WeightVersionLedger
 
-log = structlog.get_logger("enginectl.rollouts")
 
 SERVICE = "vllm.grpc.engine.VllmEngine"
 # Rollout RPCs that change what the engine serves or costs it: guarded by the token whenever
