@@ -12,7 +12,12 @@ are `python -m bench.fpm_clients` subprocesses (see that module).
   offer a fixed total rate for a window; 8 subscribers in 2 processes each count what they
   receive and what they are told they missed. A rate passes when every subscriber got every
   sample (none missed, none out of order); its delivered rate is samples / (last receipt -
-  first send). Target: >= 50,000 samples/s passes.
+  first send). Rates rise until one fails. Target: >= 50,000 samples/s passes.
+- overload: the capacity is the best passing rate's delivered rate; then twice that is
+  offered the same way while `python -m bench.fpm_clients rpc-probe` calls GetWeightVersion
+  on the same server every 2 ms (its p99 then, against the same probe idle just before).
+  Targets: the slowest subscriber's delivered rate >= 0.8 x capacity (no collapse), and
+  every subscriber's `missed` equal to exactly the samples it did not receive.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from bench.procs import Worker, rollout_driver
 
 LATENCY_P99_TARGET_MS = 5.0
 FANIN_TARGET = 50_000
+OVERLOAD_FACTOR = 2.0  # offered / capacity in the overload row
+OVERLOAD_TARGET = 0.8  # delivered (slowest subscriber) / capacity >=
 SUBSCRIBERS = 8
 SUB_PROCS = 2
 PUB_PROCS = 2
@@ -79,7 +86,11 @@ def phase_latency(eng: ServeProcess, quick: bool) -> dict[str, Any]:
     }
 
 
-def _fanin_once(eng: ServeProcess, endpoint: str, rate: float, seconds: float) -> dict[str, Any]:
+def _fanin_once(
+    eng: ServeProcess, endpoint: str, rate: float, seconds: float, rpc_probe: Worker | None = None
+) -> dict[str, Any]:
+    """One fan-in run at `rate`; with `rpc_probe`, its GetWeightVersion latencies from `go`
+    until every subscriber is done are in the result's `rpc`."""
     per_pub = int(rate * seconds / PUB_PROCS)
     total = per_pub * PUB_PROCS
     tag = f"{int(rate)}-{time.monotonic_ns() % 10**6}"
@@ -128,8 +139,13 @@ def _fanin_once(eng: ServeProcess, endpoint: str, rate: float, seconds: float) -
             subs[0].expect("probe_seen", 60)
         for p in pubs:
             p.send("go")
+        if rpc_probe is not None:
+            rpc_probe.send("start")
         sent = [p.expect("result", seconds + 120) for p in pubs]
         results = [s.expect("result", seconds + 120) for s in subs]
+        if rpc_probe is not None:
+            rpc_probe.send("stop")
+            rpc = rpc_probe.expect("result", 60)
     finally:
         for w in subs + pubs:
             w.finish()
@@ -137,7 +153,8 @@ def _fanin_once(eng: ServeProcess, endpoint: str, rate: float, seconds: float) -
     t0 = min(s["t0_wall"] for s in sent)
     delivered = [s["received"] / (s["last_at"] - t0) if s["last_at"] else 0.0 for s in per_sub]
     ok = all(s["received"] == total and s["missed"] == 0 and s["out_of_order"] == 0 for s in per_sub)
-    return {
+    last = max((s["last_at"] for s in per_sub if s["last_at"]), default=t0)
+    out = {
         "offered_rate": rate,
         "samples": total,
         "publish_rate": round(sum(s["rate"] for s in sent), 1),
@@ -147,18 +164,28 @@ def _fanin_once(eng: ServeProcess, endpoint: str, rate: float, seconds: float) -
         "received_min": min(s["received"] for s in per_sub),
         "missed_max": max(s["missed"] for s in per_sub),
         "out_of_order": sum(s["out_of_order"] for s in per_sub),
+        # Over all subscribers: what they were told they missed, and what they did not get.
+        "missed_total": sum(s["missed"] for s in per_sub),
+        "not_delivered_total": sum(total - s["received"] for s in per_sub),
+        "missed_exact": all(s["missed"] == total - s["received"] for s in per_sub),
+        "last_receipt_s": round(last - t0, 2),
     }
+    if rpc_probe is not None:
+        out["rpc"] = {"latency": rpc["latency"], "errors": rpc["errors"]}
+    return out
 
 
 def phase_fanin(eng: ServeProcess, quick: bool) -> dict[str, Any]:
     endpoint = relay_endpoint(eng)
     seconds = 2.0 if quick else 5.0
-    rates = [50_000.0] if quick else [25_000.0, 50_000.0, 75_000.0, 100_000.0]
+    rates = [50_000.0] if quick else [25_000.0, 50_000.0, 75_000.0, 100_000.0, 150_000.0, 200_000.0]
     runs = []
     for rate in rates:
         log(f"fpm fan-in: {rate:.0f} samples/s offered for {seconds:.0f}s, {SUBSCRIBERS} subscribers")
         runs.append(_fanin_once(eng, endpoint, rate, seconds))
         log(f"fpm fan-in: {runs[-1]}")
+        if not runs[-1]["zero_loss"]:
+            break  # past capacity: the overload row measures what happens there
     passing = [r for r in runs if r["zero_loss"]]
     best = max(passing, key=lambda r: r["delivered_rate_min"]) if passing else None
     return {
@@ -167,7 +194,44 @@ def phase_fanin(eng: ServeProcess, quick: bool) -> dict[str, Any]:
         "window_s": seconds,
         "runs": runs,
         "best_zero_loss": best,
+        "overload": phase_overload(eng, endpoint, runs, best, seconds),
     }
+
+
+def phase_overload(
+    eng: ServeProcess, endpoint: str, runs: list[dict[str, Any]], best: dict[str, Any] | None, seconds: float
+) -> dict[str, Any]:
+    """OVERLOAD_FACTOR x capacity offered, with GetWeightVersion probed meanwhile and idle."""
+    # Capacity: the best zero-loss delivered rate (or, if no rate passed, the best delivered).
+    capacity = best["delivered_rate_min"] if best else max(r["delivered_rate_min"] for r in runs)
+    offered = round(OVERLOAD_FACTOR * capacity, -3)
+    probe = _worker(["rpc-probe", "--target", eng.grpc_target, "--max-seconds", str(4 * seconds + 600)])
+    try:
+        probe.expect("ready", 60)
+        log(f"fpm overload: GetWeightVersion idle for {seconds:.0f}s")
+        probe.send("start")
+        time.sleep(seconds)  # the idle window (the probe calls meanwhile)
+        probe.send("stop")
+        idle = probe.expect("result", 60)
+        log(f"fpm overload: {offered:.0f} samples/s offered ({OVERLOAD_FACTOR:g}x capacity {capacity:.0f})")
+        run = _fanin_once(eng, endpoint, offered, seconds, rpc_probe=probe)
+    finally:
+        probe.finish()
+    rpc = run.pop("rpc")
+    p99_idle, p99_loaded = idle["latency"].get("p99_ms"), rpc["latency"].get("p99_ms")
+    out = {
+        "capacity": capacity,
+        "capacity_zero_loss": best is not None,
+        "factor": OVERLOAD_FACTOR,
+        **run,
+        "delivered_vs_capacity": round(run["delivered_rate_min"] / capacity, 3) if capacity else None,
+        "rpc_idle": idle["latency"],
+        "rpc_overload": rpc["latency"],
+        "rpc_errors": idle["errors"] + rpc["errors"],
+        "rpc_p99_vs_idle": round(p99_loaded / p99_idle, 2) if p99_idle and p99_loaded else None,
+    }
+    log(f"fpm overload: {out}")
+    return out
 
 
 def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -204,6 +268,34 @@ def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": bool(best) and best["offered_rate"] >= FANIN_TARGET,
             }
         )
+    over = (fan or {}).get("overload")
+    if over:
+        ratio = over["delivered_vs_capacity"]
+        out.append(
+            {
+                "figure": f"FPM overload: delivered (slowest of {fan['subscribers']}) at {over['factor']:g}x "
+                f"capacity offered, missed exact",
+                "baseline": "capacity (best zero-loss rate)",
+                "baseline_value": over["capacity"],
+                "enginectl_value": over["delivered_rate_min"],
+                "unit": "samples/s",
+                "ratio": ratio,
+                "target": f">= {OVERLOAD_TARGET}",
+                "met": ratio is not None and ratio >= OVERLOAD_TARGET and over["missed_exact"],
+            }
+        )
+        out.append(
+            {
+                "figure": "GetWeightVersion p99 during the FPM overload (reported)",
+                "baseline": "same probe, idle",
+                "baseline_value": over["rpc_idle"].get("p99_ms"),
+                "enginectl_value": over["rpc_overload"].get("p99_ms"),
+                "unit": "ms",
+                "ratio": over["rpc_p99_vs_idle"],
+                "target": "—",
+                "met": None,
+            }
+        )
     return out
 
 
@@ -238,4 +330,23 @@ def markdown(results: dict[str, Any]) -> list[str]:
                 f"{r['delivered_rate_max']:.0f} | {'yes' if r['zero_loss'] else '**no**'} | "
                 f"{r['missed_max']} | {r['out_of_order']} |"
             )
+    over = (fan or {}).get("overload")
+    if over:
+        cap = "best zero-loss rate" if over["capacity_zero_loss"] else "no rate passed zero loss: best delivered"
+        idle, loaded = over["rpc_idle"], over["rpc_overload"]
+        lines += [
+            "",
+            f"FPM overload ({over['factor']:g}x capacity; capacity {over['capacity']:.0f} samples/s = {cap}; "
+            f"{over['samples']} samples; GetWeightVersion every 2 ms on the same server, idle just before):",
+            "",
+            "| offered | published | delivered (slowest sub) | / capacity | missed (all subs) | "
+            "not delivered (all subs) | exact | last receipt | GetWeightVersion p50 / p99 idle | "
+            "p50 / p99 overload | p99 ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+            f"| {over['offered_rate']:.0f} | {over['publish_rate']:.0f} | {over['delivered_rate_min']:.0f} | "
+            f"{over['delivered_vs_capacity']} | {over['missed_total']} | {over['not_delivered_total']} | "
+            f"{'yes' if over['missed_exact'] else '**no**'} | {over['last_receipt_s']} s | "
+            f"{idle.get('p50_ms')} / {idle.get('p99_ms')} ms | {loaded.get('p50_ms')} / {loaded.get('p99_ms')} ms | "
+            f"{over['rpc_p99_vs_idle']} |",
+        ]
     return lines

@@ -14,7 +14,11 @@ count and time.
 - publish: a real ZMQ PUB connected to the server's relay endpoint, as an EngineCore's
   publisher is. Sends probe samples until the parent writes `go` (the parent waits for a
   subscriber to see one: PUB drops frames until the relay's subscription has reached it),
-  then --count samples at --rate, each stamped with emit_time when sent.
+  then --count samples at --rate in 1 ms slices, each stamped with its slice's emit_time.
+- rpc-probe: GetWeightVersion on the same server, one call every --interval-ms on one
+  blocking channel, over windows the parent opens with `start` and closes with `stop`
+  (each `stop` reports that window's latencies): the control RPCs the relay's loop must
+  keep serving while it is flooded.
 """
 
 from __future__ import annotations
@@ -166,7 +170,7 @@ def cmd_subscribe(args: argparse.Namespace) -> None:
 
 
 # -- publish ---------------------------------------------------------------------------------
-def _sample(worker: str, rank: int, counter: int) -> bytes:
+def _message(worker: str, rank: int, counter: int = 1) -> fpm_pb2.ForwardPassMetrics:
     msg = fpm_pb2.ForwardPassMetrics(
         schema_version=1,
         worker_id=worker,
@@ -183,7 +187,11 @@ def _sample(worker: str, rank: int, counter: int) -> bytes:
     msg.scheduled.num_decode_requests = 4
     msg.scheduled.sum_decode_kv_tokens = 512
     msg.emit_time.GetCurrentTime()
-    return msg.SerializeToString()
+    return msg
+
+
+def _sample(worker: str, rank: int, counter: int) -> bytes:
+    return _message(worker, rank, counter).SerializeToString()
 
 
 def cmd_publish(args: argparse.Namespace) -> None:
@@ -205,14 +213,22 @@ def cmd_publish(args: argparse.Namespace) -> None:
             emit("error", message="no go from the parent")
             return
         sock.send(_sample(args.probe, 0, 1))
-    # Send in 1 ms slices at the requested rate.
+    # Send in 1 ms slices at the requested rate. One message per rank, reused: a sample costs
+    # its counter and a serialization (well under a microsecond), so that at 150,000 samples/s
+    # the publishers do not take the CPU the relay is measured on; emit_time is per slice.
+    messages = [_message(args.worker, rank) for rank in range(args.ranks)]
     per_slice = max(1, int(args.rate / 1000))
     t0 = time.monotonic()
     sent = 0
     while sent < args.count:
         n = min(per_slice, args.count - sent)
+        now_ns = time.time_ns()
+        for msg in messages:
+            msg.emit_time.FromNanoseconds(now_ns)
         for i in range(sent, sent + n):
-            sock.send(_sample(args.worker, i % args.ranks, i + 1))
+            msg = messages[i % args.ranks]
+            msg.counter_id = i + 1
+            sock.send(msg.SerializeToString())
         sent += n
         ahead = t0 + sent / args.rate - time.monotonic()
         if ahead > 0:
@@ -221,6 +237,45 @@ def cmd_publish(args: argparse.Namespace) -> None:
     emit("result", sent=sent, elapsed_s=round(elapsed, 3), rate=round(sent / elapsed, 1), t0_wall=time.time() - elapsed)
     sock.close(linger=5000)
     context.term()
+
+
+# -- rpc-probe -------------------------------------------------------------------------------
+def cmd_rpc_probe(args: argparse.Namespace) -> None:
+    from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
+    from enginectl.weights.v1 import weight_version_service_pb2_grpc as wv_grpc
+
+    channel = grpc.insecure_channel(args.target)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    call = wv_grpc.WeightVersionServiceStub(channel).GetWeightVersion
+    request = wv_pb2.GetWeightVersionRequest()
+    for _ in range(20):  # warm the channel and the server's handler path
+        call(request, timeout=30)
+    emit("ready")
+    interval = args.interval_ms / 1e3
+    deadline = time.monotonic() + args.max_seconds
+    while time.monotonic() < deadline:
+        line = sys.stdin.readline().strip()
+        if line != "start":
+            break
+        stop = threading.Event()
+
+        def wait_stop(stop: threading.Event = stop) -> None:
+            sys.stdin.readline()
+            stop.set()
+
+        threading.Thread(target=wait_stop, daemon=True).start()
+        latencies: list[float] = []
+        errors = 0
+        while not stop.is_set() and time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            try:
+                call(request, timeout=30)
+                latencies.append(time.perf_counter() - t0)
+            except grpc.RpcError:
+                errors += 1
+            stop.wait(max(0.0, interval - (time.perf_counter() - t0)))  # pacing the calls
+        emit("result", latency=summarize_ms(latencies), errors=errors)
+    channel.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,8 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--rate", type=float, required=True)
     p.add_argument("--count", type=int, required=True)
+    p = sub.add_parser("rpc-probe")
+    p.add_argument("--target", required=True)
+    p.add_argument("--interval-ms", type=float, default=2.0)
+    p.add_argument("--max-seconds", type=float, default=300.0)
     args = parser.parse_args(argv)
-    command = {"subscribe": cmd_subscribe, "publish": cmd_publish}[args.cmd]
+    command = {"subscribe": cmd_subscribe, "publish": cmd_publish, "rpc-probe": cmd_rpc_probe}[args.cmd]
     return report_errors(lambda: command(args))
 
 

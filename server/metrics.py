@@ -173,7 +173,9 @@ class FpmRelayCollector:
         relay = self._relay
         stats = relay.stats
         relayed = CounterMetricFamily(
-            "enginectl_fpm_samples_relayed", "Forward-pass metrics samples the relay sequenced and fanned out."
+            "enginectl_fpm_samples_relayed",
+            "Forward-pass metrics samples the relay sequenced and kept in its ring (every one a "
+            "resume can read; under overload some reach live streams only as missed).",
         )
         relayed.add_metric([], stats.accepted)
         dropped = CounterMetricFamily(
@@ -189,6 +191,12 @@ class FpmRelayCollector:
             "Samples coalesced away from slow stream subscribers' queues (summed over subscribers).",
         )
         missed.add_metric([], stats.subscriber_missed)
+        coalesced = CounterMetricFamily(
+            "enginectl_fpm_samples_coalesced_at_intake",
+            "Samples sequenced while the relay's intake was behind and offered to no live stream "
+            "(the latest per worker and rank was; every stream counts the rest in missed).",
+        )
+        coalesced.add_metric([], stats.coalesced_at_intake)
         subscribers = GaugeMetricFamily(
             "enginectl_fpm_subscribers", "Open StreamForwardPassMetrics streams.", value=relay.subscribers
         )
@@ -207,7 +215,7 @@ class FpmRelayCollector:
         newest = relay.newest()
         if newest is not None:
             age.add_metric([], max(time.time() - newest.emit_time.ToNanoseconds() / 1e9, 0.0))
-        yield from (relayed, dropped, missed, subscribers, backlog, age)
+        yield from (relayed, dropped, missed, coalesced, subscribers, backlog, age)
 
 
 def register_fpm_metrics(relay: FpmRelay, registry: CollectorRegistry = REGISTRY) -> FpmRelayCollector:

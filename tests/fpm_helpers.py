@@ -106,14 +106,24 @@ class RelayPublisher:
 
 
 async def read_until(
-    call: grpc.aio.UnaryStreamCall, done: int, timeout: float = 60.0
+    call: grpc.aio.UnaryStreamCall, done: int | asyncio.Future[int], timeout: float = 60.0
 ) -> tuple[list[fpm_pb2.ForwardPassMetrics], int, list[svc_pb2.ForwardPassMetricsProgress]]:
-    """Read batches until `done` samples were received or counted missed (or fail)."""
+    """Read batches until `done` samples were received or counted missed (or fail).
+
+    `done` may be a future resolved later (the count is known only once a flood ends): an
+    idle stream gets a progress message every second, so the count is checked again even
+    when nothing more comes."""
     samples: list[fpm_pb2.ForwardPassMetrics] = []
     missed = 0
     progress: list[svc_pb2.ForwardPassMetricsProgress] = []
     deadline = time.monotonic() + timeout
-    while len(samples) + missed < done:
+
+    def accounted() -> bool:
+        if isinstance(done, int):
+            return len(samples) + missed >= done
+        return done.done() and len(samples) + missed >= done.result()
+
+    while not accounted():
         remaining = deadline - time.monotonic()
         assert remaining > 0, f"got {len(samples)} samples + {missed} missed of {done}"
         response = await asyncio.wait_for(call.read(), remaining)

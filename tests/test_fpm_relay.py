@@ -210,6 +210,70 @@ def test_missed_is_reported_on_the_next_batch_only() -> None:
     assert sub.take(100)[1] == 0
 
 
+def test_a_batch_is_offered_as_if_its_samples_came_one_at_a_time() -> None:
+    """Fan-out is per batch (relay.py), yet every queue ends up exactly as if the samples had
+    come one by one: same samples kept, same coalescing points, same missed counts."""
+    stream = [frame(f"w{i % 3}", i % 2, counter_id=i + 1) for i in range(480)]
+    one, many = FpmRelay(incarnation="inc", queue_limit=16), FpmRelay(incarnation="inc", queue_limit=16)
+    wanted = SampleFilter(worker_ids=frozenset({"w0", "w1"}))
+    one_subs = [one.subscribe(wanted), one.subscribe(SampleFilter())]
+    many_subs = [many.subscribe(wanted), many.subscribe(SampleFilter())]
+    for i, f in enumerate(stream):
+        one.accept(f)
+        if i % 40 == 39:  # a slow reader takes a little now and then
+            one_subs[0].take(5)
+    for start in range(0, len(stream), 40):
+        many.accept_many(stream[start : start + 40])
+        many_subs[0].take(5)
+    for a, b in zip(one_subs, many_subs, strict=True):
+        got_a, missed_a = drain(a)
+        got_b, missed_b = drain(b)
+        assert [s.sequence for s in got_a] == [s.sequence for s in got_b] and missed_a == missed_b
+        assert a.missed_total == b.missed_total > 0
+    assert one.stats.coalesced_at_intake == many.stats.coalesced_at_intake == 0
+
+
+def test_coalescing_at_intake_keeps_every_sample_and_tells_each_filter_what_it_skipped() -> None:
+    """A batch accepted while the intake is behind: every sample is sequenced and kept (a
+    resume replays them all), each live subscription gets the latest sample per (worker_id,
+    dp_rank) and kind that its filter wants, and is told exactly how many others it wanted."""
+    relay = FpmRelay(incarnation="inc")
+    filters = {
+        "all": SampleFilter(include_heartbeats=True),
+        "steps": SampleFilter(),
+        "a1": SampleFilter(worker_ids=frozenset({"a"}), dp_ranks=frozenset({1})),
+        "b-beats": SampleFilter(worker_ids=frozenset({"b"}), include_heartbeats=True),
+        "nobody": SampleFilter(worker_ids=frozenset({"nobody"})),
+    }
+    subs = {name: relay.subscribe(f) for name, f in filters.items()}
+    published = [
+        fpm_pb2.ForwardPassMetrics.FromString(
+            frame(("a", "b")[i % 2], (i // 2) % 2, counter_id=i + 1, kind=HEARTBEAT if i % 7 == 0 else STEP)
+        )
+        for i in range(400)
+    ]
+    assert relay.accept_many([p.SerializeToString() for p in published], coalesce=True) == 400
+    assert relay.head == 400
+    for name, sub in subs.items():
+        got, missed = drain(sub)
+        wanted = [p for p in published if _wanted_by(filters[name], p)]
+        assert len(got) + missed == len(wanted), name
+        latest = {(p.worker_id, p.dp_rank, p.kind): p.counter_id for p in wanted}
+        assert sorted(s.counter_id for s in got) == sorted(latest.values()), name
+        assert [s.sequence for s in got] == sorted(s.sequence for s in got)
+    assert relay.stats.coalesced_at_intake == 400 - 8  # 2 workers x 2 ranks x 2 kinds kept
+    replay = relay.subscribe(SampleFilter(include_heartbeats=True), resume_after=0)
+    assert [s.counter_id for s in drain(replay)[0]] == list(range(1, 401))
+
+
+def _wanted_by(f: SampleFilter, sample: fpm_pb2.ForwardPassMetrics) -> bool:
+    return (
+        (f.include_heartbeats or sample.kind != HEARTBEAT)
+        and (f.worker_ids is None or sample.worker_id in f.worker_ids)
+        and (f.dp_ranks is None or sample.dp_rank in f.dp_ranks)
+    )
+
+
 async def test_close_ends_waiting_subscriptions() -> None:
     relay = FpmRelay(incarnation="inc")
     sub = relay.subscribe(SampleFilter())
@@ -264,9 +328,11 @@ async def test_endpoint_is_private_ipc_and_removed_on_stop() -> None:
 
 
 async def test_zmq_fan_in_slow_subscriber_misses_fast_one_does_not(host: FpmRelayHost) -> None:
-    """A real PUB floods the relay's real SUB socket with 20,000 samples from 4 (worker,
-    rank) pairs; a fast subscriber reading all along gets every one in order; a slow one
-    that reads nothing until the end gets the latest per key and is told how many it missed."""
+    """A real PUB sends 20,000 samples from 4 (worker, rank) pairs through the relay's real
+    SUB socket, in chunks of 2,000 that each wait for the fast subscriber to have read the
+    previous one (the relay is never more than a chunk behind); the fast subscriber gets
+    every one in order; a slow one that reads nothing until the end gets the latest per key
+    and is told how many it missed."""
     ledger = WeightVersionLedger()
     relay = host.start(ledger, export_metrics=False)
     probe_seen = threading.Event()
@@ -278,28 +344,34 @@ async def test_zmq_fan_in_slow_subscriber_misses_fast_one_does_not(host: FpmRela
         probe.close()
         wanted = SampleFilter(worker_ids=frozenset({"w0", "w1"}))
         fast, slow = relay.subscribe(wanted), relay.subscribe(wanted)
-        total = 20_000
+        total, chunk = 20_000, 2_000
         frames = [frame(f"w{i % 2}", (i // 2) % 2, counter_id=i + 1) for i in range(total)]
+        read = threading.Semaphore(0)  # one release per chunk the fast subscriber has read
 
         def publish() -> None:
-            for f in frames:
-                publisher.socket.send(f)
+            for start in range(0, total, chunk):
+                for f in frames[start : start + chunk]:
+                    publisher.socket.send(f)
+                assert read.acquire(timeout=60), "the fast subscriber stopped reading"
 
         sender = asyncio.create_task(asyncio.to_thread(publish))
-        got, fast_missed = [], 0
+        got, fast_missed, chunks_read = [], 0, 0
         deadline = time.monotonic() + 60
-        while len(got) < total:
+        while len(got) + fast_missed < total:
             assert time.monotonic() < deadline, f"fast subscriber got {len(got)} of {total} ({relay.stats})"
             await fast.wait(1.0)
             batch, missed = fast.take(1000)
             got.extend(r.sample for r in batch)
             fast_missed += missed
+            while len(got) + fast_missed >= (chunks_read + 1) * chunk:
+                chunks_read += 1
+                read.release()
             await asyncio.sleep(0)  # ok-sleep: one yield (no time passes), like a real writer
         await sender
         slow_got, slow_missed = drain(slow)
     finally:
         publisher.close()
-    assert fast_missed == 0
+    assert fast_missed == 0 and relay.stats.coalesced_at_intake == 0
     assert [s.counter_id for s in got] == list(range(1, total + 1))
     sequences = [s.sequence for s in got]
     assert all(b > a for a, b in pairwise(sequences))

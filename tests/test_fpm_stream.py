@@ -355,6 +355,7 @@ async def test_metrics_count_relayed_samples(
     assert after[relayed] >= before[relayed] + 10
     assert 'enginectl_fpm_samples_dropped_total{reason="unattributed"}' in after
     assert "enginectl_fpm_subscriber_missed_total" in after
+    assert after["enginectl_fpm_samples_coalesced_at_intake_total"] == 0  # 10 samples: never behind
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,19 @@ forward_pass_metrics_service.proto):
   `weight_revision`, and enters a ring of the newest `ring_size` samples.
 - With `require_identity` (the server runs with `--await-worker-id`), a sample with an empty
   `worker_id` is dropped before it is sequenced, and counted; it never reaches a subscriber.
-- `accept` never waits. Each subscription has a bounded queue; when it is full the queue
-  coalesces to the latest sample per (worker_id, dp_rank) and counts what was lost, so a
-  slow reader costs only itself.
+- `accept_many` never waits. Each subscription has a bounded queue; when it is full the
+  queue coalesces to the latest sample per (worker_id, dp_rank) and counts what was lost, so
+  a slow reader costs only itself.
+- Work is per batch of frames, not per sample and subscriber: a batch is sequenced once,
+  selected once per distinct filter, and appended to each queue in one step; a queue wakes
+  its stream once per batch.
+- When the intake is behind (relay_zmq.py: a backlog beyond INTAKE_BACKLOG frames), the
+  oldest are accepted with `coalesce=True`: sequenced and kept in the ring as always, but
+  live subscriptions are offered only the latest sample per (worker_id, dp_rank) of the
+  batch (and kind: step or heartbeat), and each is told the others its filter selects as
+  `missed` (still in the ring: a resume fetches them). That is the queue rule applied once
+  at intake instead of once per queue, so overload costs a parse and a sequence number per
+  sample.
 - A subscription may start after a sequence: it then reads the ring directly (no queue)
   until it has caught up with the head, and only then joins the live fan-out, so a resume
   yields every kept sample after that sequence exactly once.
@@ -22,9 +32,10 @@ forward_pass_metrics_service.proto):
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from enginectl.contract.fpm import MalformedFrame, read_sample
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
@@ -45,6 +56,12 @@ _SEQUENCE_TAG, _REVISION_TAG, _SAMPLES_TAG = b"\x88\x01", b"\x90\x01", b"\x0a"
 
 def varint(value: int) -> bytes:
     """Protobuf base-128 varint encoding of a non-negative integer."""
+    if value < 0x80:  # the common sizes without a loop: lengths, and sequences below 2**21
+        return bytes((value,))
+    if value < 0x4000:
+        return bytes((value & 0x7F | 0x80, value >> 7))
+    if value < 0x200000:
+        return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14))
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -54,21 +71,38 @@ def varint(value: int) -> bytes:
 
 
 class Relayed:
-    """A relayed sample: the parsed message (for filters and keys) and its wire form as one
-    `samples` entry of a ForwardPassMetricsBatch, encoded once and shared by every stream.
+    """A relayed sample: the parsed message, what filters and coalescing read from it (its
+    (worker_id, dp_rank) `key`, whether it is a heartbeat, its `sequence`), and its wire form
+    as one `samples` entry of a ForwardPassMetricsBatch, shared by every stream.
 
     Protobuf lets a serialized message be extended by appending fields, so stamping the
     publisher's frame costs a few bytes, not a re-serialization; the publisher leaves
-    `sequence` and `weight_revision` unset (and were they set, the appended values win)."""
+    `sequence` and `weight_revision` unset (and were they set, the appended values win).
+    The wire form is built by the first stream that sends the sample (`wire or stamp()`): a
+    sample that every queue coalesced away under overload never costs one."""
 
-    __slots__ = ("sample", "wire")
+    __slots__ = ("sample", "key", "heartbeat", "sequence", "wire", "_frame")
 
-    def __init__(self, sample: Sample, frame: bytes) -> None:
+    def __init__(self, sample: Sample, frame: bytes, sequence: int) -> None:
         self.sample = sample
-        stamped = frame + _SEQUENCE_TAG + varint(sample.sequence)
-        if sample.weight_revision:
-            stamped += _REVISION_TAG + varint(sample.weight_revision)
-        self.wire = _SAMPLES_TAG + varint(len(stamped)) + stamped
+        self.key = (sample.worker_id, sample.dp_rank)
+        self.heartbeat = sample.kind == HEARTBEAT
+        self.sequence = sequence
+        self.wire = b""  # until `stamp`
+        self._frame = frame
+
+    def stamp(self) -> bytes:
+        """The wire form (built once)."""
+        if not self.wire:
+            stamped = self._frame + _SEQUENCE_TAG + varint(self.sequence)
+            if self.sample.weight_revision:
+                stamped += _REVISION_TAG + varint(self.sample.weight_revision)
+            self.wire = _SAMPLES_TAG + varint(len(stamped)) + stamped
+            self._frame = b""
+        return self.wire
+
+
+_by_sequence = attrgetter("sequence")
 
 
 class RelayClosed(Exception):
@@ -90,8 +124,12 @@ class RelayStats:
     dropped_unattributed: int = 0
     # Frames that were not a ForwardPassMetrics of a known schema.
     dropped_malformed: int = 0
-    # Samples coalesced away from subscriber queues, summed over subscribers.
+    # Samples subscribers were told they missed (coalesced away from their queues, or at
+    # intake), summed over subscribers.
     subscriber_missed: int = 0
+    # Samples sequenced while the intake was behind and offered to no live subscription
+    # (the latest per worker and rank was); counted once, not per subscriber.
+    coalesced_at_intake: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,12 +140,26 @@ class SampleFilter:
     dp_ranks: frozenset[int] | None = None
     include_heartbeats: bool = False
 
-    def matches(self, sample: Sample) -> bool:
-        if not self.include_heartbeats and sample.kind == HEARTBEAT:
+    def wants(self, key: tuple[str, int], heartbeat: bool) -> bool:
+        """Whether a sample of `key` (worker_id, dp_rank), heartbeat or step, passes."""
+        if heartbeat and not self.include_heartbeats:
             return False
-        if self.worker_ids is not None and sample.worker_id not in self.worker_ids:
+        if self.worker_ids is not None and key[0] not in self.worker_ids:
             return False
-        return self.dp_ranks is None or sample.dp_rank in self.dp_ranks
+        return self.dp_ranks is None or key[1] in self.dp_ranks
+
+    def select(self, batch: list[Relayed]) -> list[Relayed]:
+        """The samples of `batch` this filter wants, in order (one pass, no call per sample)."""
+        workers, ranks, heartbeats = self.worker_ids, self.dp_ranks, self.include_heartbeats
+        if workers is None and ranks is None:
+            return batch if heartbeats else [r for r in batch if not r.heartbeat]
+        return [
+            r
+            for r in batch
+            if (heartbeats or not r.heartbeat)
+            and (workers is None or r.key[0] in workers)
+            and (ranks is None or r.key[1] in ranks)
+        ]
 
 
 class SampleRing:
@@ -130,7 +182,7 @@ class SampleRing:
     def append(self, sample: Sample, frame: bytes) -> Relayed:
         """Stamp `sample` (parsed from `frame`) with the next sequence and keep it."""
         sequence = sample.sequence = self.head + 1
-        relayed = self._slots[sequence % self.size] = Relayed(sample, frame)
+        relayed = self._slots[sequence % self.size] = Relayed(sample, frame, sequence)
         self.head = sequence  # after the slot: `newest` on another thread never sees it empty
         return relayed
 
@@ -165,22 +217,31 @@ class Subscription:
     def live(self) -> bool:
         return self._cursor is None
 
-    def offer(self, relayed: Relayed) -> None:
-        """Called by the relay for each new sample while live. Never waits."""
-        if not self.filter.matches(relayed.sample):
-            return
-        if len(self._queue) >= self._limit:
+    def offer(self, selected: list[Relayed]) -> None:
+        """Called by the relay with each new batch's samples this subscription's filter
+        selected, while live. Never waits: a full queue coalesces, exactly as if the samples
+        had come one at a time (it coalesces when a sample arrives to a full queue)."""
+        limit, start, end = self._limit, 0, len(selected)
+        while end - start > limit - len(self._queue):
+            room = limit - len(self._queue)
+            self._queue.extend(selected[start : start + room])
+            start += room
             self._coalesce()
-        self._queue.append(relayed)
+        self._queue.extend(selected[start:] if start else selected)
         if not self._wake.is_set():
             self._wake.set()
 
+    def skip(self, count: int) -> None:
+        """Count `count` samples this subscription was not offered (coalesced at intake);
+        its next batch reports them in `missed`."""
+        self._missed += count
+        self.missed_total += count
+        self._relay.stats.subscriber_missed += count
+
     def _coalesce(self) -> None:
         """Keep only the latest queued sample per (worker_id, dp_rank); count the rest."""
-        latest: dict[tuple[str, int], Relayed] = {}
-        for relayed in self._queue:
-            latest[(relayed.sample.worker_id, relayed.sample.dp_rank)] = relayed
-        kept = sorted(latest.values(), key=lambda r: r.sample.sequence)
+        latest = {relayed.key: relayed for relayed in self._queue}
+        kept = sorted(latest.values(), key=_by_sequence)
         # More distinct keys than the queue holds (a tiny limit): drop the oldest keys too.
         kept = kept[len(kept) - self._limit + 1 :] if len(kept) >= self._limit else kept
         lost = len(self._queue) - len(kept)
@@ -201,8 +262,11 @@ class Subscription:
             batch = self._replay(max_size)
         else:
             queue = self._queue
-            n = min(max_size, len(queue))
-            batch = [queue.popleft() for _ in range(n)]
+            if len(queue) <= max_size:
+                batch = list(queue)
+                queue.clear()
+            else:
+                batch = [queue.popleft() for _ in range(max_size)]
         missed, self._missed = (self._missed, 0) if batch else (0, self._missed)
         if not self._queue and self._cursor is None:
             self._wake.clear()
@@ -216,11 +280,11 @@ class Subscription:
             raise self._relay.evicted(cursor - 1)
         batch: list[Relayed] = []
         end = min(ring.head, cursor + REPLAY_SCAN_LIMIT - 1)
-        matches = self.filter.matches
+        wants = self.filter.wants
         while cursor <= end and len(batch) < max_size:
             relayed = ring.get(cursor)
             cursor += 1
-            if matches(relayed.sample):
+            if wants(relayed.key, relayed.heartbeat):
                 batch.append(relayed)
         if cursor > ring.head:
             self._cursor = None  # caught up: the relay offers every later sample
@@ -303,20 +367,70 @@ class FpmRelay:
         """Take one publisher frame (a serialized ForwardPassMetrics); returns the sample
         as relayed, or None if it was dropped (malformed, or unattributed while identity is
         required)."""
-        try:
-            sample = read_sample(frame)
-        except MalformedFrame:
-            self.stats.dropped_malformed += 1
-            return None
-        if self.require_identity and not sample.worker_id:
-            self.stats.dropped_unattributed += 1
-            return None
-        sample.weight_revision = self._revision()
-        relayed = self.ring.append(sample, frame)
-        self.stats.accepted += 1
+        batch = self._sequence((frame,))
+        return batch[0] if batch else None
+
+    def accept_many(self, frames: Iterable[bytes], *, coalesce: bool = False) -> int:
+        """Take publisher frames in arrival order and fan them out as one batch; returns how
+        many were sequenced (the rest were dropped as in `accept`). With `coalesce` (the
+        intake is behind) live subscriptions are offered only the latest sample per
+        (worker_id, dp_rank) of the batch and told the rest as missed; all are kept."""
+        return len(self._sequence(frames, coalesce))
+
+    def _sequence(self, frames: Iterable[bytes], coalesce: bool = False) -> list[Relayed]:
+        """Parse, gate, stamp and keep `frames`, then offer them to every live subscription."""
+        revision = self._revision()  # one loop turn: no declaration lands in between
+        require_identity = self.require_identity
+        append = self.ring.append
+        stats = self.stats
+        batch: list[Relayed] = []
+        for frame in frames:
+            try:
+                sample = read_sample(frame)
+            except MalformedFrame:
+                stats.dropped_malformed += 1
+                continue
+            if require_identity and not sample.worker_id:
+                stats.dropped_unattributed += 1
+                continue
+            sample.weight_revision = revision
+            batch.append(append(sample, frame))
+        stats.accepted += len(batch)
+        if batch and self._live:
+            if coalesce:
+                self._offer_coalesced(batch)
+            else:
+                self._offer(batch)
+        return batch
+
+    def _offer(self, batch: list[Relayed]) -> None:
+        # One selection per distinct filter (streams of a fleet often share one).
+        selections: dict[SampleFilter, list[Relayed]] = {}
         for subscription in self._live:
-            subscription.offer(relayed)
-        return relayed
+            selected = selections.get(subscription.filter)
+            if selected is None:
+                selected = selections[subscription.filter] = subscription.filter.select(batch)
+            if selected:
+                subscription.offer(selected)
+
+    def _offer_coalesced(self, batch: list[Relayed]) -> None:
+        """Offer the latest sample per (worker_id, dp_rank) of `batch`, per kind (so a
+        filter without heartbeats still gets the latest step); every live subscription skips
+        the others its filter selects."""
+        latest = {(relayed.key, relayed.heartbeat): relayed for relayed in batch}
+        kept = sorted(latest.values(), key=_by_sequence)
+        shed = Counter([(relayed.key, relayed.heartbeat) for relayed in batch])
+        shed.subtract(latest.keys())
+        self.stats.coalesced_at_intake += len(batch) - len(kept)
+        self._offer(kept)
+        skipped: dict[SampleFilter, int] = {}
+        for subscription in self._live:
+            count = skipped.get(subscription.filter)
+            if count is None:
+                wants = subscription.filter.wants
+                count = skipped[subscription.filter] = sum(n for (key, hb), n in shed.items() if wants(key, hb))
+            if count:
+                subscription.skip(count)
 
     def subscribe(self, sample_filter: SampleFilter, resume_after: int | None = None) -> Subscription:
         """A new subscription: live from now on, or replaying every kept sample after

@@ -5,8 +5,17 @@ thread): it creates a private temporary directory and binds a SUB socket (subscr
 everything) on `ipc://<dir>/fpm.sock`; serve hands every EngineCore that `endpoint` in its
 EngineConfig (contract/engine.py), and each rank's publisher connects to it (the frames:
 contract/fpm.py). `start` runs on the control loop: it builds the FpmRelay and drains the
-socket from that loop's reader callback, without a task or an await per frame (a frame
-costs a parse and a few appends: at 50,000 samples/s that is what keeps it cheap).
+socket from that loop's reader callback, without a task or an await per frame.
+
+Intake shares the control loop with every RPC, so each wakeup does bounded work: read up to
+READ_BUDGET frames with NOBLOCK into a backlog, and relay up to RELAY_BUDGET of them as one
+batch (fan-out is per batch, relay.py). A wakeup that leaves frames behind comes back after
+YIELD_S rather than at once: with back-to-back wakeups the loop thread never paused, gRPC's
+own threads and the readers ran late on the shared cores, stream writes stalled for hundreds
+of milliseconds and delivery fell to a fifth of capacity (bench/fpm.py, overload row). When
+the backlog outgrows INTAKE_BACKLOG, its oldest frames are relayed with `coalesce=True`:
+sequenced and kept, offered as the latest per (worker_id, dp_rank), the rest counted in
+each subscriber's `missed` (relay.py): overload is shed, never queued without bound.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -28,8 +38,20 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("enginectl.fpm")
 
-# Frames read per reader callback before yielding to the loop (gRPC writes interleave).
-DRAIN_BUDGET = 512
+# Per wakeup: frames read from the socket (a fraction of a microsecond each), relayed in
+# full (1-2 us each with the fan-out), and coalesced at most when behind (about 1 us each):
+# a few milliseconds of work at worst, so a control RPC never waits longer on intake. Once
+# the backlog is full, a wakeup reads up to twice what it relays in full and coalesces the
+# rest: under sustained overload half of what is read still reaches the streams in full.
+READ_BUDGET = 2048
+RELAY_BUDGET = 1024
+COALESCE_BUDGET = 1024
+# Frames read but not relayed beyond which the oldest are coalesced at intake: four
+# subscriber queues' worth (a third of a second at 50,000 samples/s), so a stall of the
+# loop is caught up in full, and only sustained overload is shed.
+INTAKE_BACKLOG = 4 * DEFAULT_QUEUE_LIMIT
+# Pause between wakeups while behind: the loop polls (and releases the GIL) meanwhile.
+YIELD_S = 0.001
 # Frames ZMQ may hold for us while the loop is busy; beyond that the PUB side drops (never blocks).
 RCV_HWM = 200_000
 
@@ -71,12 +93,14 @@ class FpmRelayHost:
         ring_size: int = DEFAULT_RING_SIZE,
         queue_limit: int = DEFAULT_QUEUE_LIMIT,
         require_identity: bool = False,
+        intake_backlog: int = INTAKE_BACKLOG,
     ) -> None:
         if ring_size < 1 or queue_limit < 2:
             raise ValueError("--fpm-ring-size must be >= 1 and --fpm-subscriber-queue >= 2")
         self._ring_size = ring_size
         self._queue_limit = queue_limit
         self._require_identity = require_identity
+        self._intake_backlog = intake_backlog
         self._dir = tempfile.TemporaryDirectory(prefix="enginectl-fpm-")  # mode 0700
         self.endpoint = f"ipc://{self._dir.name}/fpm.sock"
         self._context = zmq.Context()
@@ -88,6 +112,8 @@ class FpmRelayHost:
         self.relay: FpmRelay | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
+        self._backlog: deque[bytes] = deque()  # read, not yet relayed, in arrival order
+        self._resume: asyncio.TimerHandle | None = None  # the next wakeup while behind
 
     @classmethod
     def bind(cls, args: argparse.Namespace) -> FpmRelayHost:
@@ -128,26 +154,43 @@ class FpmRelayHost:
         self.relay = relay
         self._loop = asyncio.get_running_loop()
         fd = self._fd = int(self._socket.getsockopt(zmq.FD))
-        self._loop.add_reader(fd, self._drain)
+        self._loop.add_reader(fd, self._readable)
         self._drain()  # frames already queued do not make the (edge-triggered) fd readable
 
+    def _readable(self) -> None:
+        if self._resume is None:
+            self._drain()
+        else:  # behind: the scheduled wakeup reads; re-arm the fd (ZMQ_EVENTS) and wait
+            self._socket.getsockopt(zmq.EVENTS)
+
     def _drain(self) -> None:
-        relay, sock = self.relay, self._socket
-        assert relay is not None and self._loop is not None
-        accept, recv, noblock = relay.accept, sock.recv, zmq.NOBLOCK
-        for _ in range(DRAIN_BUDGET):
-            try:
-                frame = recv(noblock)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:  # socket closed under us during shutdown
-                return
-            accept(frame)
-        # Budget spent with frames left: the fd will not fire again for them; come back.
-        self._loop.call_soon(self._drain)
+        """One wakeup: read what the socket holds (up to READ_BUDGET frames), coalesce the
+        backlog beyond `intake_backlog`, relay up to RELAY_BUDGET frames. ZMQ's fd is
+        edge-triggered: a wakeup that leaves frames behind schedules the next one itself."""
+        relay, loop, backlog = self.relay, self._loop, self._backlog
+        assert relay is not None and loop is not None
+        self._resume = None
+        recv, noblock = self._socket.recv, zmq.NOBLOCK
+        drained = False
+        try:
+            for _ in range(READ_BUDGET):
+                backlog.append(recv(noblock))
+        except zmq.Again:
+            drained = True
+        except zmq.ZMQError:  # socket closed under us during shutdown
+            return
+        stale = min(len(backlog) - self._intake_backlog, COALESCE_BUDGET)
+        if stale > 0:
+            relay.accept_many([backlog.popleft() for _ in range(stale)], coalesce=True)
+        relay.accept_many([backlog.popleft() for _ in range(min(RELAY_BUDGET, len(backlog)))])
+        if backlog or not drained:
+            self._resume = loop.call_later(YIELD_S, self._drain)
 
     async def stop(self) -> None:
         """Stop reading, close the socket and remove the temp dir; call on the relay's loop."""
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
         if self._loop is not None and self._fd is not None:
             self._loop.remove_reader(self._fd)
             self._fd = None

@@ -4,9 +4,9 @@ Runs in the `enginectl serve` process, on the control loop. Thin on purpose: it 
 the request, translates it into a relay subscription, and turns what the subscription
 hands out into batch and progress messages; the rules live in relay.py.
 
-Batches go out pre-encoded: each sample's wire form is built once by the relay and shared
-by every stream, and a batch message is their concatenation (the same bytes protobuf would
-produce). With 8 subscribers at 50,000 samples/s, copying each sample into a message per
+Batches go out pre-encoded: each sample's wire form is built once, by the first stream that
+sends it (relay.py `Relayed.stamp`), and shared by every stream, and a batch message is
+their concatenation (the same bytes protobuf would produce). With 8 subscribers at 50,000 samples/s, copying each sample into a message per
 stream and serializing it again was most of the relay's CPU (bench/fpm.py).
 """
 
@@ -29,7 +29,7 @@ PROGRESS_INTERVAL_S = 1.0
 
 def encode_batch(samples: list[Relayed], missed: int) -> bytes:
     """A StreamForwardPassMetricsResponse holding a batch, in wire form."""
-    body = b"".join([r.wire for r in samples])
+    body = b"".join([r.wire or r.stamp() for r in samples])
     if missed:
         body += b"\x10" + varint(missed)  # ForwardPassMetricsBatch.missed = 2
     return b"\x0a" + varint(len(body)) + body  # StreamForwardPassMetricsResponse.batch = 1
