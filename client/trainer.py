@@ -55,6 +55,8 @@ from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
 
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 DEFAULT_GROUP = "enginectl-trainer"
+# Broadcasts pack tensors of at most this size into buckets (one collective per bucket).
+DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024
 POLL_S = 0.2  # WaitOperation slice while drawing progress
 WAIT_SLICE_S = 60.0  # WaitOperation slice otherwise
 
@@ -417,9 +419,11 @@ class AsyncTrainerClient(AsyncClient):
         reset_prefix_cache: bool = True,
         timeout: float | None = None,
         progress: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> AsyncBroadcast:
         """Start UpdateWeightsFromDistributed for `tensors` (in their order); broadcast them
-        with `send()` and wait with `wait()`. broadcast_weights does all three."""
+        with `send()` and wait with `wait()`. broadcast_weights does all three. Tensors of at
+        most `bucket_bytes` go packed in buckets, one collective each (0: one per tensor)."""
         group = self._groups.get(group_name)
         if group is None:
             raise ValueError(f"no local group {group_name!r}: call init_weights_update_group first")
@@ -427,11 +431,11 @@ class AsyncTrainerClient(AsyncClient):
         options = UpdateOptions(version, etag, request_id, pause_mode, reset_prefix_cache, timeout)
         request = options.fill(
             pb2.UpdateWeightsFromDistributedRequest(
-                group_name=group_name, tensors=[tensor_spec(n, t) for n, t in named]
+                group_name=group_name, tensors=[tensor_spec(n, t) for n, t in named], bucket_bytes=bucket_bytes
             )
         )
         op = UpdateOperation.from_proto(await self._unary(self._updates.UpdateWeightsFromDistributed, request, None))
-        return AsyncBroadcast(self, group, op, [t for _, t in named], options, progress)
+        return AsyncBroadcast(self, group, op, [t for _, t in named], options, progress, bucket_bytes)
 
     async def broadcast_weights(
         self,
@@ -445,6 +449,7 @@ class AsyncTrainerClient(AsyncClient):
         reset_prefix_cache: bool = True,
         timeout: float | None = None,
         progress: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> UpdateResult:
         """Broadcast `tensors` (nn.Module, state dict or pairs; checkpoint names) through the
         group and declare `version` on success; returns the UpdateResult or raises."""
@@ -458,6 +463,7 @@ class AsyncTrainerClient(AsyncClient):
             reset_prefix_cache=reset_prefix_cache,
             timeout=timeout,
             progress=progress,
+            bucket_bytes=bucket_bytes,
         )
         await broadcast.send()
         return await broadcast.wait()

@@ -13,6 +13,7 @@ from enginectl.client._sync import LoopThread, blocking
 from enginectl.client.trainer_requests import UpdateOptions
 from enginectl.client.trainer_tensors import BroadcastGroup
 from enginectl.client.trainer_types import UpdateOperation, UpdateResult
+from enginectl.common.buckets import cut
 
 if TYPE_CHECKING:
     from enginectl.client.trainer import AsyncTrainerClient
@@ -20,7 +21,9 @@ if TYPE_CHECKING:
 
 class AsyncBroadcast:
     """An UpdateWeightsFromDistributed in flight: the trainer broadcasts `tensors` in order
-    through its group (`send`), then waits for the Operation (`wait`)."""
+    through its group (`send`), then waits for the Operation (`wait`). With `bucket_bytes`
+    (the request's), tensors go in buckets cut by common/buckets.py, exactly as every engine
+    worker cuts them."""
 
     def __init__(
         self,
@@ -30,10 +33,12 @@ class AsyncBroadcast:
         tensors: list[Any],
         options: UpdateOptions,
         progress: bool,
+        bucket_bytes: int = 0,
     ) -> None:
         self.client, self.group, self.operation = client, group, operation
         self.options, self.progress = options, progress
         self._tensors = tensors
+        self._buckets = cut([t.numel() * t.element_size() for t in tensors], bucket_bytes)
         self.sent = 0
         self._stop = threading.Event()
 
@@ -46,10 +51,12 @@ class AsyncBroadcast:
         return len(self._tensors) - self.sent
 
     async def send(self, count: int | None = None) -> int:
-        """Broadcast the next `count` tensors (all remaining by default); returns how many.
-        If the Operation ends first (cancelled, timed out), raises its error."""
-        batch = self._tensors[self.sent : self.sent + (self.remaining if count is None else count)]
-        sending = asyncio.ensure_future(asyncio.to_thread(self.group.broadcast, batch, self._stop))
+        """Broadcast the next `count` tensors (all remaining by default), rounded up to the
+        end of the bucket the last one is in; returns how many were sent. If the Operation
+        ends first (cancelled, timed out), raises its error."""
+        end = self.sent + (self.remaining if count is None else count)
+        batch = [b for b in self._buckets if b.start >= self.sent and b.start < end]
+        sending = asyncio.ensure_future(asyncio.to_thread(self.group.broadcast, self._tensors, batch, self._stop))
         ended = asyncio.ensure_future(self.client._await_done(self.name, None, None))
         try:
             await asyncio.wait({sending, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -74,7 +81,7 @@ class AsyncBroadcast:
             if op.done and op.error is not None:
                 raise op.error from None
             raise
-        return len(batch)
+        return sum(b.stop - b.start for b in batch)
 
     async def wait(self, timeout: float | None = None) -> UpdateResult:
         """Wait for the Operation; its result, or its error raised."""

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from enginectl.common import dtypes
+from enginectl.common.buckets import Bucket, cut
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 BACKENDS = {"gloo": pb2.GROUP_BACKEND_GLOO, "nccl": pb2.GROUP_BACKEND_NCCL}
@@ -95,6 +96,7 @@ class BroadcastGroup:
         self.device = "cuda" if backend == "nccl" else "cpu"
         self.pg: Any = None
         self.broken = ""
+        self._staging: Any = None  # the packing buffer of bucketed broadcasts, reused
         self._lock = threading.Lock()
 
     @classmethod
@@ -133,25 +135,47 @@ class BroadcastGroup:
         pg.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device), 0).wait()
         self.pg = pg
 
-    def broadcast(self, tensors: Iterable[Any], stop: threading.Event | None = None) -> int:
-        """Broadcast each tensor from rank 0, in order; returns how many were sent. Stops
-        early when `stop` is set. A failure marks the group broken (it can not be reused)."""
+    def broadcast(
+        self, tensors: list[Any], plan_buckets: Iterable[Bucket] | None = None, stop: threading.Event | None = None
+    ) -> int:
+        """Broadcast `tensors` from rank 0 in order, one collective per bucket of
+        `plan_buckets` (common/buckets.py; None: one per tensor); returns how many tensors
+        were sent. Stops early, between buckets, when `stop` is set. A failure marks the
+        group broken (it can not be reused)."""
         if self.pg is None or self.broken:
             raise RuntimeError(f"group {self.name!r} is not usable: {self.broken or 'not joined'}")
+        if plan_buckets is None:
+            plan_buckets = cut([0] * len(tensors), 0)
         sent = 0
         with self._lock:
             try:
-                for tensor in tensors:
+                for bucket in plan_buckets:
                     if stop is not None and stop.is_set():
                         break
-                    self.pg.broadcast(tensor, 0).wait()
-                    sent += 1
+                    if bucket.packed:
+                        self.pg.broadcast(self._pack(tensors[bucket.start : bucket.stop], bucket.nbytes), 0).wait()
+                    else:
+                        self.pg.broadcast(tensors[bucket.start], 0).wait()
+                    sent += bucket.stop - bucket.start
             except BaseException as exc:
                 self.broken = f"{type(exc).__name__}: {exc}"
                 raise
         return sent
 
+    def _pack(self, tensors: list[Any], nbytes: int) -> Any:
+        """`tensors`' raw bytes back to back in one uint8 buffer on the group's device, reused
+        by every bucket (each broadcast completes before the next packs: gloo's wait blocks,
+        and on NCCL the copy is queued on the stream after the broadcast)."""
+        import torch
+
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        flat = self._staging[:nbytes]
+        torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors], out=flat)
+        return flat
+
     def close(self) -> None:
         """Drop the process group and the store (closes their connections)."""
         self.pg = None
         self.store = None
+        self._staging = None

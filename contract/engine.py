@@ -166,6 +166,10 @@ class LoadPlan(msgspec.Struct, frozen=True):
     data_endpoints: tuple[str, ...]  # per DP rank: stream chunks and abort frames (frames.py)
     progress_endpoint: str  # every worker reports progress here
     deadline: float  # time.time() based
+    # DISTRIBUTED: 0 broadcasts each tensor on its own; otherwise consecutive tensors are
+    # packed into flat buffers of at most this many bytes, one broadcast per bucket
+    # (common/buckets.py; a tensor larger than a bucket goes alone, unflattened).
+    bucket_bytes: int = 0
 
 
 class LoadError(msgspec.Struct, frozen=True, array_like=True):

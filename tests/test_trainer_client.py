@@ -249,7 +249,7 @@ def test_in_process_sender_stops_with_the_operations_error_after_cancel(
     (or waiting) raises the Operation's error, and the group is gone on both sides."""
     state = checkpoints.state_dict("B")
     client.init_weights_update_group("in-process", timeout=60.0)
-    broadcast = client.start_broadcast(state, "never", group_name="in-process", timeout=120.0)
+    broadcast = client.start_broadcast(state, "never", group_name="in-process", timeout=120.0, bucket_bytes=0)
     assert broadcast.send(len(state) // 2) == len(state) // 2
     client.cancel_operation(broadcast.name)
     with pytest.raises(EnginectlError) as err:
@@ -259,6 +259,82 @@ def test_in_process_sender_stops_with_the_operations_error_after_cancel(
     assert_partial(client, broadcast.name, {"UPDATE_CANCELLED"})
     assert client.destroy_weights_update_group("in-process", allow_missing=True) is False
     repair(client, weights_server, checkpoints, tokens)
+
+
+def test_bucketed_broadcasts_load_the_same_bytes_as_per_tensor_ones(
+    client: TrainerClient,
+    weights_server: ServeProcess,
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
+    back_to_a: None,
+) -> None:
+    """One collective per tensor, buckets mixing packed and lone tensors, and one bucket for
+    everything all leave the model byte for byte as loading B from disk does (full digests
+    per rank), generating B's tokens."""
+    state = checkpoints.state_dict("B")
+    client.update_weights_from_disk(str(checkpoints.file("B")), "disk-B")
+    reference = [r.current_digest for r in client.verify_weights(full=True).ranks]
+    sizes = sorted(t.numel() * t.element_size() for t in state.values())
+    client.init_weights_update_group("buckets", timeout=60.0)
+    try:
+        for bucket_bytes in (0, sizes[len(sizes) // 2], sum(sizes)):
+            client.update_weights_from_disk(str(checkpoints.file("A")), "A")
+            version = f"bucketed-{bucket_bytes}"
+            result = client.broadcast_weights(state, version, group_name="buckets", bucket_bytes=bucket_bytes)
+            assert [r.tensors_loaded for r in result.ranks] == [len(state)] * len(result.ranks)
+            verification = client.verify_weights(full=True)
+            assert verification.verdict == "MATCH", bucket_bytes
+            assert [r.current_digest for r in verification.ranks] == reference, bucket_bytes
+            assert_serving(client, weights_server, tokens["B"], version, WeightSource.DISTRIBUTED)
+    finally:
+        client.destroy_weights_update_group("buckets", allow_missing=True)
+
+
+def test_distributed_bucket_bytes_over_the_bound_is_refused(client: TrainerClient, checkpoints: Checkpoints) -> None:
+    before = client.get_weight_version()
+    client.init_weights_update_group("too-big-buckets", timeout=60.0)
+    try:
+        with pytest.raises(InvalidArgumentError) as err:
+            client.start_broadcast(
+                checkpoints.state_dict("B"), "never", group_name="too-big-buckets", bucket_bytes=(4 << 30) + 1
+            )
+        assert err.value.reason == Reason.BUCKET_BYTES_INVALID
+        assert client.get_weight_version() == before
+    finally:
+        client.destroy_weights_update_group("too-big-buckets", allow_missing=True)
+
+
+def test_buckets_pack_and_unpack_mixed_dtypes_byte_for_byte() -> None:
+    """The trainer's packing (BroadcastGroup) and a worker's unpacking (typed_view) of the
+    same cut round-trip tensors of mixed dtypes and odd sizes (a 1-byte tensor of odd length
+    leaves the next one unaligned), without a process group."""
+    import torch
+
+    from enginectl.client.trainer_tensors import BroadcastGroup
+    from enginectl.common.buckets import cut
+    from enginectl.worker.weights.groups import typed_view
+
+    tensors = [
+        torch.arange(5, dtype=torch.uint8),
+        torch.randn(3, 7),
+        torch.tensor([True, False, True]),
+        torch.randn(2, 3).to(torch.bfloat16),
+        torch.arange(6, dtype=torch.int64).reshape(3, 2),
+        torch.randn(40, 40),
+    ]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    plan = cut(sizes, 100)
+    assert [(b.start, b.stop) for b in plan] == [(0, 3), (3, 5), (5, 6)]
+    group = BroadcastGroup("pack", "gloo", None, 2, 1.0)
+    for bucket in plan:
+        if not bucket.packed:
+            continue
+        flat = group._pack(tensors[bucket.start : bucket.stop], bucket.nbytes)
+        for i, offset in zip(range(bucket.start, bucket.stop), bucket.offsets, strict=True):
+            dtype = str(tensors[i].dtype).removeprefix("torch.")
+            back = typed_view(flat.clone(), offset, dtype, tuple(tensors[i].shape))
+            assert back.dtype == tensors[i].dtype and torch.equal(back, tensors[i]), i
+    assert [(b.start, b.stop) for b in cut(sizes, 0)] == [(i, i + 1) for i in range(len(tensors))]
 
 
 # --- malformed tensor streams ----------------------------------------------------------
@@ -352,11 +428,25 @@ def test_nccl_group_is_refused_without_gpus(client: TrainerClient) -> None:
 @pytest.mark.skipif(
     not _has_cuda(), reason="NCCL needs a CUDA GPU on the trainer and the engine; this machine has none"
 )
-def test_nccl_broadcast_on_gpus(client: TrainerClient, checkpoints: Checkpoints, back_to_a: None) -> None:
+def test_nccl_broadcast_on_gpus(
+    client: TrainerClient,
+    weights_server: ServeProcess,
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
+    back_to_a: None,
+) -> None:
+    """NCCL runs the same bucketed code as gloo (common/buckets.py): per tensor and bucketed,
+    B's tokens and a full MATCH."""
     client.init_weights_update_group("nccl-group", backend="nccl")
     try:
-        result = client.broadcast_weights(checkpoints.state_dict("B"), "nccl-B", group_name="nccl-group")
-        assert result.weight_version.source == WeightSource.DISTRIBUTED
+        for bucket_bytes in (0, 1 << 20):
+            client.update_weights_from_disk(str(checkpoints.file("A")), "A")
+            version = f"nccl-B-{bucket_bytes}"
+            state = checkpoints.state_dict("B")
+            result = client.broadcast_weights(state, version, group_name="nccl-group", bucket_bytes=bucket_bytes)
+            assert result.weight_version.source == WeightSource.DISTRIBUTED
+            assert_serving(client, weights_server, tokens["B"], version, WeightSource.DISTRIBUTED)
+            assert client.verify_weights(full=True).verdict == "MATCH"
     finally:
         client.destroy_weights_update_group("nccl-group", allow_missing=True)
 

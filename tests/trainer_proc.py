@@ -43,9 +43,14 @@ def main() -> None:
         )
         client.close()
         return
-    broadcast = client.start_broadcast(tensors, version, group_name=group.group_name, timeout=timeout)
-    broadcast.send(len(tensors) // 2)
-    print(json.dumps({"operation": broadcast.name, "sent": len(tensors) // 2}), flush=True)
+    # Small buckets: packed buckets and lone tensors both, and half of them is not all.
+    smallest = min(t.numel() * t.element_size() for t in tensors.values())
+    broadcast = client.start_broadcast(
+        tensors, version, group_name=group.group_name, timeout=timeout, bucket_bytes=4 * smallest
+    )
+    sent = broadcast.send(len(tensors) // 2)
+    assert 0 < sent < len(tensors), f"sent {sent} of {len(tensors)}: not a partial broadcast"
+    print(json.dumps({"operation": broadcast.name, "sent": sent}), flush=True)
     if mode == "die":
         os._exit(3)
     sys.stdin.read()

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from enginectl.common import dtypes
+from enginectl.common.buckets import MAX_BUCKET_BYTES
 from enginectl.common.vocabulary import WeightSource
 from enginectl.contract.engine import TensorSpec
 from enginectl.server.errors import ControlPlaneError, FieldViolation, Reason, invalid_field
@@ -48,6 +49,7 @@ class UpdatePlan:
     pause_mode: str
     reset_cache: bool
     timeout: float
+    bucket_bytes: int = 0  # DISTRIBUTED: one broadcast per bucket (common/buckets.py); 0 per tensor
 
     @property
     def bytes_total(self) -> int:
@@ -67,6 +69,7 @@ class UpdatePlan:
             self.etag,
             self.pause_mode,
             self.reset_cache,
+            self.bucket_bytes,
         )
 
 
@@ -165,7 +168,15 @@ class UpdateValidator:
                 Reason.GROUP_NOT_FOUND,
                 f"no update group {request.group_name!r}; create it with InitWeightsUpdateGroup",
             )
-        return UpdatePlan(WeightSource.DISTRIBUTED, tensors, [], request.group_name, *common)
+        if request.bucket_bytes > MAX_BUCKET_BYTES:
+            raise invalid_field(
+                Reason.BUCKET_BYTES_INVALID,
+                "bucket_bytes",
+                f"{request.bucket_bytes}; at most {MAX_BUCKET_BYTES} (4 GiB)",
+            )
+        return UpdatePlan(
+            WeightSource.DISTRIBUTED, tensors, [], request.group_name, *common, bucket_bytes=request.bucket_bytes
+        )
 
     def tensors(self, header: pb2.TensorStreamHeader) -> UpdatePlan:
         common = self._common(header, "header.")

@@ -464,6 +464,7 @@ class WeightUpdates:
             data_endpoints=channels.data_endpoints,
             progress_endpoint=channels.progress_endpoint,
             deadline=deadline,
+            bucket_bytes=plan.bucket_bytes,
         )
         load = asyncio.ensure_future(self._engine.load(worker_plan, timeout=plan.timeout + RPC_GRACE_S))
         progress = asyncio.ensure_future(op.follow_progress(channels.next_progress, self._ranks))

@@ -1,9 +1,9 @@
 """Private broadcast groups with a trainer, inside a vLLM worker.
 
 Runs inside every vLLM worker process, mixed into EnginectlWorkerExtension. The group RPCs
-(INIT_GROUP, DESTROY_GROUP) and the broadcast receive run on the worker's RPC thread; one
-background thread per update receives broadcasts into reusable buffers and never touches the
-model (worker/weights/fingerprints.py, "who may touch the weights").
+(INIT_GROUP, DESTROY_GROUP) and the loading of received tensors run on the worker's RPC
+thread; one background thread per update receives broadcasts (per tensor, or per bucket of
+tensors: common/buckets.py) into reusable buffers and never touches the model (worker/weights/fingerprints.py, "who may touch the weights").
 """
 
 from __future__ import annotations
@@ -18,11 +18,14 @@ from typing import Any
 
 import torch
 
-from enginectl.contract.engine import Backend, Cause, GroupJoined, GroupSpec, LoadPlan, read, wire
+from enginectl.common import buckets, dtypes
+from enginectl.contract.engine import Backend, Cause, GroupJoined, GroupSpec, LoadPlan, TensorSpec, read, wire
 from enginectl.worker.weights.channel import POLL_MS, Abort, Channel
 from enginectl.worker.weights.ranks import dp_rank, global_rank
 
 GROUP_INIT_FAILED = "GROUP_INIT_FAILED"
+# A receive buffer's (tensor name or bucket label, dtype, shape).
+BufferKey = tuple[str, str, tuple[int, ...]]
 
 
 @dataclass
@@ -32,9 +35,10 @@ class _Group:
     rank: int
     world_size: int
     timeout: float  # gloo's (or NCCL's) own bound on one collective
+    device: str = "cpu"  # where receive buffers live: the worker's GPU for NCCL
     broken: str | None = None
-    # Receive buffers by (name, dtype, shape), reused across updates: fresh pages are slow.
-    buffers: dict[tuple[str, str, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
+    # Receive buffers of the last update's layout (_buffers), reused: fresh pages are slow.
+    buffers: dict[BufferKey, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,17 +74,20 @@ class GroupsMixin:
             return wire(GroupJoined(dp_rank(self), -1, GROUP_INIT_FAILED, f"group {spec.name!r} exists on this worker"))
         rank = spec.rank_offset + global_rank(self)
         started = time.monotonic()
+        device = "cpu"
         try:
             pg = _join(spec, rank)
+            if spec.backend == Backend.NCCL:
+                device = f"cuda:{torch.cuda.current_device()}"
             # A first barrier-like broadcast proves every member joined before we answer.
-            probe = torch.zeros(1, dtype=torch.int64)
+            probe = torch.zeros(1, dtype=torch.int64, device=device)
             pg.broadcast(probe, 0).wait()
         except Exception as exc:  # noqa: BLE001 - answered as this worker's failure
             failure = (
                 Cause.GROUP_TIMEOUT.value if _timed_out(time.monotonic() - started, spec.timeout) else GROUP_INIT_FAILED
             )
             return wire(GroupJoined(dp_rank(self), rank, failure, f"{type(exc).__name__}: {exc}"))
-        groups[spec.name] = _Group(spec.name, pg, rank, spec.world_size, spec.timeout)
+        groups[spec.name] = _Group(spec.name, pg, rank, spec.world_size, spec.timeout, device)
         return wire(GroupJoined(dp_rank(self), rank))
 
     def enginectl_destroy_group(self, name: str) -> bool:
@@ -94,28 +101,37 @@ class GroupsMixin:
 
     def _enginectl_broadcast_tensors(self, plan: LoadPlan, channel: Channel) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors broadcast by the trainer (group rank 0), received on a thread so that
-        receiving the next tensor overlaps loading this one."""
+        receiving the next bucket overlaps loading this one. With `plan.bucket_bytes` the
+        tensors come in buckets (common/buckets.py): one broadcast per bucket, into a flat
+        receive buffer the bucket's tensors are views of."""
         group = self._enginectl_groups().get(plan.group)
         if group is None:
             raise Abort(Cause.GROUP_NOT_FOUND, f"no update group {plan.group!r} on this worker")
         if group.broken:
             raise Abort(Cause.GROUP_BROKEN, group.broken)
-        received: queue.Queue[tuple[str, torch.Tensor] | _ReceiveFailed | None] = queue.Queue(maxsize=2)
+        specs = plan.tensors
+        plan_buckets = buckets.cut([dtypes.nbytes(s.dtype, s.shape) for s in specs], plan.bucket_bytes)
+        # At most two received buckets wait for the loader: receiving stays a bucket ahead.
+        received: queue.Queue[list[tuple[str, torch.Tensor]] | _ReceiveFailed | None] = queue.Queue(maxsize=2)
         stop = threading.Event()
+        receive_buffers = _buffers(group, specs, plan_buckets)
 
         def receive() -> None:
             waiting_since = time.monotonic()
             try:
-                for spec in plan.tensors:
-                    key = (spec.name, spec.dtype, spec.shape)
-                    tensor = group.buffers.get(key)
-                    if tensor is None:
-                        tensor = group.buffers[key] = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+                for bucket, buffer in zip(plan_buckets, receive_buffers, strict=True):
                     waiting_since = time.monotonic()
-                    group.pg.broadcast(tensor, 0).wait()
+                    group.pg.broadcast(buffer, 0).wait()
+                    if bucket.packed:
+                        unpacked = [
+                            (specs[i].name, typed_view(buffer, offset, specs[i].dtype, specs[i].shape))
+                            for i, offset in zip(range(bucket.start, bucket.stop), bucket.offsets, strict=True)
+                        ]
+                    else:
+                        unpacked = [(specs[bucket.start].name, buffer)]
                     while not stop.is_set():
                         try:
-                            received.put((spec.name, tensor), timeout=POLL_MS / 1000)
+                            received.put(unpacked, timeout=POLL_MS / 1000)
                             break
                         except queue.Full:
                             continue
@@ -149,12 +165,47 @@ class GroupsMixin:
                         Cause.GROUP_TIMEOUT if late else Cause.STREAM_BROKEN,
                         f"the broadcast failed: {type(item.error).__name__}: {item.error}",
                     )
-                yield item
+                yield from item
         finally:
             stop.set()
             if thread.is_alive():
                 # Blocked in a receive: the group can not be trusted again; the server destroys it.
                 group.broken = group.broken or "an update stopped while receiving through this group"
+
+
+def _buffer_key(specs: tuple[TensorSpec, ...], bucket: buckets.Bucket) -> BufferKey:
+    """Which receive buffer `bucket` uses: the tensor itself for a bucket of one, a flat
+    uint8 buffer otherwise."""
+    if bucket.packed:
+        return (f"bucket:{specs[bucket.start].name}:{bucket.stop - bucket.start}", "uint8", (bucket.nbytes,))
+    spec = specs[bucket.start]
+    return (spec.name, spec.dtype, spec.shape)
+
+
+def _buffers(group: _Group, specs: tuple[TensorSpec, ...], plan_buckets: list[buckets.Bucket]) -> list[torch.Tensor]:
+    """The receive buffer of every bucket, reused across updates of the same layout (fresh
+    pages are slow to fill); buffers of other layouts are dropped (at most one model's worth
+    is kept). Allocated here, filled by the receiving thread."""
+    keys = [_buffer_key(specs, bucket) for bucket in plan_buckets]
+    kept = {key: group.buffers[key] for key in keys if key in group.buffers}
+    group.buffers.clear()
+    for key in keys:
+        if key not in kept:
+            kept[key] = torch.empty(key[2], dtype=getattr(torch, key[1]), device=group.device)
+    group.buffers.update(kept)
+    return [kept[key] for key in keys]
+
+
+def typed_view(buffer: torch.Tensor, offset: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor of `dtype` and `shape` whose bytes start at `offset` of the uint8 `buffer`:
+    a view when the offset is aligned to the element size, else (a packed 1-byte tensor of odd
+    size before it) a copy."""
+    torch_dtype = getattr(torch, dtype)
+    size = dtypes.nbytes(dtype, shape)
+    raw = buffer[offset : offset + size]
+    if offset % torch_dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(torch_dtype).reshape(shape)
 
 
 def _join(spec: GroupSpec, rank: int) -> Any:

@@ -933,6 +933,7 @@ class UpdateWeightsFromDistributedRequest(_message.Message):
     PAUSE_MODE_FIELD_NUMBER: _builtins.int
     RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    BUCKET_BYTES_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """Required. Group to receive through (InitWeightsUpdateGroup); NOT_FOUND GROUP_NOT_FOUND
     when there is none.
@@ -948,6 +949,18 @@ class UpdateWeightsFromDistributedRequest(_message.Message):
     reset_prefix_cache: _builtins.bool
     """Reset the prefix cache after loading; unset means true. As
     UpdateWeightsFromDiskRequest.reset_prefix_cache.
+    """
+    bucket_bytes: _builtins.int
+    """0 (default): one `broadcast` per tensor, in `tensors` order. Otherwise the trainer packs
+    consecutive tensors into flat buffers and broadcasts each buffer once (one collective
+    per bucket instead of per tensor: many small tensors cost far less). Buckets are cut
+    the same way on both sides: walking `tensors` in order, a tensor joins the open bucket
+    if the bucket's bytes plus its own stay within `bucket_bytes`, else it starts the next
+    one; each bucket is one contiguous uint8 tensor holding its tensors' raw bytes back to
+    back (C-contiguous, no padding). A tensor larger than `bucket_bytes` is a bucket of its
+    own and is broadcast as itself (its dtype and shape), not flattened. Above 4 GiB:
+    INVALID_ARGUMENT BUCKET_BYTES_INVALID. enginectl's TrainerClient buckets by default
+    (64 MiB); the receive buffers are reused across updates.
     """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
@@ -974,10 +987,11 @@ class UpdateWeightsFromDistributedRequest(_message.Message):
         pause_mode: Global___PauseMode.ValueType = ...,
         reset_prefix_cache: _builtins.bool | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        bucket_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "reset_prefix_cache", b"reset_prefix_cache", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "etag", b"etag", "group_name", b"group_name", "pause_mode", b"pause_mode", "request_id", b"request_id", "reset_prefix_cache", b"reset_prefix_cache", "tensors", b"tensors", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "bucket_bytes", b"bucket_bytes", "etag", b"etag", "group_name", b"group_name", "pause_mode", b"pause_mode", "request_id", b"request_id", "reset_prefix_cache", b"reset_prefix_cache", "tensors", b"tensors", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__reset_prefix_cache: _TypeAlias = _typing.Literal["reset_prefix_cache"]  # noqa: Y015
     _WhichOneofArgType__reset_prefix_cache: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache"]  # noqa: Y015
