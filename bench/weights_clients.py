@@ -9,6 +9,9 @@ Runs in subprocesses of `python -m bench`, speaking JSON lines on stdout:
     disk      UpdateWeightsFromDisk(DIR)                vs  vLLM /collective_rpc reload_weights(DIR)
     tensors   TrainerClient.update_weights_from_tensors vs  the same stream messages to a gRPC sink
     gloo      TrainerClient.broadcast_weights           vs  a raw gloo broadcast to another process
+              (bucketed, the client's default, and one collective per tensor)
+    ipc       TrainerClient.update_weights_from_ipc     vs  reload_weights over the same tensors
+              held in the worker's memory (bench/worker_ext.py, timed in the worker)
   and, in the same run, the physical floors (bench/floors.py): GetGenerationState between the
   pause reps, and the memcpy bandwidth of the checkpoint's tensors into reused buffers.
 - `sink`: a bare grpc server whose one client-streaming method drops what it receives.
@@ -121,6 +124,24 @@ def raw_gloo(file: str, tensors: list[Any], reps: int) -> list[float]:
         child.wait(60)
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def http_json(port: int, path: str, body: dict[str, Any]) -> Any:
+    """POST `body` as JSON to the server's HTTP API; the decoded JSON answer."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
 def http_post(port: int, path: str, body: dict[str, Any] | None = None) -> float:
     data = json.dumps(body).encode() if body is not None else b""
     request = urllib.request.Request(
@@ -164,6 +185,10 @@ def run(target: str, http_port: int, model: Path, reps: int, pause_reps: int) ->
         results["disk"] = measure_disk(client, http_port, model, payload, reps, copy)
         results["tensors"] = measure_tensors(client, named, payload, reps, copy)
         results["gloo"] = measure_gloo(client, str(file), named, payload, reps, copy)
+        if "NCCL" in client.get_server_info().backends and _has_cuda():
+            results["nccl"] = measure_nccl(client, named, payload, reps)
+        if hasattr(client, "update_weights_from_ipc"):
+            results["ipc"] = measure_ipc(client, http_port, str(file), named, payload, reps)
     results["memcpy_floor"] = copy.result()
     return results
 
@@ -248,15 +273,58 @@ def measure_gloo(
 ) -> dict[str, Any]:
     """enginectl's broadcast (this process is the trainer) vs a raw two-process gloo broadcast."""
     client.init_weights_update_group("bench", timeout=120)
-    ours, done = [], []
+    ours, done, per_tensor, per_tensor_done = [], [], [], []
     for i in range(reps):
         t0 = time.perf_counter()
         done.append(client.broadcast_weights(named, f"gloo-{i}", group_name="bench"))
         ours.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        per_tensor_done.append(client.broadcast_weights(named, f"gloo-1x-{i}", group_name="bench", bucket_bytes=0))
+        per_tensor.append(time.perf_counter() - t0)
         copy.sample()
     client.destroy_weights_update_group("bench")
     theirs = raw_gloo(file, [t for _, t in named], reps)
-    return {"enginectl": summary(ours, payload, done), "raw_gloo": summary(theirs, payload)}
+    return {
+        "enginectl": summary(ours, payload, done),
+        "enginectl_per_tensor": summary(per_tensor, payload, per_tensor_done),
+        "raw_gloo": summary(theirs, payload),
+    }
+
+
+def measure_nccl(client: Any, named: list[tuple[str, Any]], payload: int, reps: int) -> dict[str, Any]:
+    """enginectl's NCCL broadcast (the same bucketed code as gloo, buffers on the GPUs), bucketed
+    and per tensor; only where this process and the engine have CUDA."""
+    client.init_weights_update_group("bench-nccl", backend="nccl", timeout=120)
+    ours, done, per_tensor, per_tensor_done = [], [], [], []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        done.append(client.broadcast_weights(named, f"nccl-{i}", group_name="bench-nccl"))
+        ours.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        per_tensor_done.append(client.broadcast_weights(named, f"nccl-1x-{i}", group_name="bench-nccl", bucket_bytes=0))
+        per_tensor.append(time.perf_counter() - t0)
+    client.destroy_weights_update_group("bench-nccl")
+    return {
+        "enginectl": summary(ours, payload, done),
+        "enginectl_per_tensor": summary(per_tensor, payload, per_tensor_done),
+    }
+
+
+def measure_ipc(
+    client: Any, http_port: int, file: str, named: list[tuple[str, Any]], payload: int, reps: int
+) -> dict[str, Any]:
+    """enginectl's same-host zero-copy update (handles to this process's tensors, end to end:
+    pause, load, cache reset, fingerprint, resume) vs vLLM's reload_weights over the same
+    tensors already in the worker's memory, timed inside the worker (bench/worker_ext.py)."""
+    body = {"method": "bench_reload_in_memory", "kwargs": {"path": file}}
+    http_json(http_port, "/collective_rpc", body)  # the worker reads the file once, and keeps it
+    ours, theirs, done = [], [], []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        done.append(client.update_weights_from_ipc(named, f"ipc-{i}"))
+        ours.append(time.perf_counter() - t0)
+        theirs.append(max(float(r) for r in http_json(http_port, "/collective_rpc", body)["results"]))
+    return {"enginectl": summary(ours, payload, done), "reload_in_memory": summary(theirs, payload)}
 
 
 def main() -> None:

@@ -56,7 +56,7 @@ from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 DEFAULT_GROUP = "enginectl-trainer"
 # Broadcasts pack tensors of at most this size into buckets (one collective per bucket).
-DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 POLL_S = 0.2  # WaitOperation slice while drawing progress
 WAIT_SLICE_S = 60.0  # WaitOperation slice otherwise
 

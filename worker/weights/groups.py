@@ -37,8 +37,9 @@ class _Group:
     timeout: float  # gloo's (or NCCL's) own bound on one collective
     device: str = "cpu"  # where receive buffers live: the worker's GPU for NCCL
     broken: str | None = None
-    # Receive buffers of the last update's layout (_buffers), reused: fresh pages are slow.
+    # Receive buffers of the last two updates' layouts (_buffers), reused: fresh pages are slow.
     buffers: dict[BufferKey, torch.Tensor] = field(default_factory=dict)
+    last_layout: set[BufferKey] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -183,17 +184,19 @@ def _buffer_key(specs: tuple[TensorSpec, ...], bucket: buckets.Bucket) -> Buffer
 
 
 def _buffers(group: _Group, specs: tuple[TensorSpec, ...], plan_buckets: list[buckets.Bucket]) -> list[torch.Tensor]:
-    """The receive buffer of every bucket, reused across updates of the same layout (fresh
-    pages are slow to fill); buffers of other layouts are dropped (at most one model's worth
-    is kept). Allocated here, filled by the receiving thread."""
+    """The receive buffer of every bucket, reused across updates (fresh pages are slow to
+    fill). Buffers of this layout and of the one before it are kept (a trainer alternating
+    two layouts reallocates nothing; a lone tensor's buffer serves both), older ones are
+    dropped. Allocated here, filled by the receiving thread."""
     keys = [_buffer_key(specs, bucket) for bucket in plan_buckets]
-    kept = {key: group.buffers[key] for key in keys if key in group.buffers}
-    group.buffers.clear()
     for key in keys:
-        if key not in kept:
-            kept[key] = torch.empty(key[2], dtype=getattr(torch, key[1]), device=group.device)
-    group.buffers.update(kept)
-    return [kept[key] for key in keys]
+        if key not in group.buffers:
+            group.buffers[key] = torch.empty(key[2], dtype=getattr(torch, key[1]), device=group.device)
+    keep = set(keys) | group.last_layout
+    for key in [key for key in group.buffers if key not in keep]:
+        del group.buffers[key]
+    group.last_layout = set(keys)
+    return [group.buffers[key] for key in keys]
 
 
 def typed_view(buffer: torch.Tensor, offset: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
