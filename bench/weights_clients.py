@@ -187,8 +187,7 @@ def run(target: str, http_port: int, model: Path, reps: int, pause_reps: int) ->
         results["gloo"] = measure_gloo(client, str(file), named, payload, reps, copy)
         if "NCCL" in client.get_server_info().backends and _has_cuda():
             results["nccl"] = measure_nccl(client, named, payload, reps)
-        if hasattr(client, "update_weights_from_ipc"):
-            results["ipc"] = measure_ipc(client, http_port, str(file), named, payload, reps)
+        results["ipc"] = measure_ipc(client, http_port, str(file), named, payload, reps)
     results["memcpy_floor"] = copy.result()
     return results
 

@@ -31,6 +31,7 @@ from enginectl.client.client import DEFAULT_TARGET, AsyncClient, ChannelOptions,
 from enginectl.client.errors import DeadlineExceededError, from_rpc_error
 from enginectl.client.progress import ProgressBar
 from enginectl.client.trainer_broadcast import AsyncBroadcast, Broadcast
+from enginectl.client.trainer_ipc import update_from_ipc, zero_copy_update
 from enginectl.client.trainer_requests import GRACE_S, UpdateOptions, duration, parse_pause_mode
 from enginectl.client.trainer_tensors import (
     BACKENDS,
@@ -272,6 +273,7 @@ class AsyncTrainerClient(AsyncClient):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         progress: bool = False,
         wait: Literal[True] = True,
+        zero_copy: bool = False,
     ) -> UpdateResult: ...
 
     @overload
@@ -304,6 +306,7 @@ class AsyncTrainerClient(AsyncClient):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         progress: bool = False,
         wait: bool = True,
+        zero_copy: bool = False,
     ) -> UpdateResult | UpdateOperation: ...
 
     async def update_weights_from_tensors(
@@ -319,13 +322,18 @@ class AsyncTrainerClient(AsyncClient):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         progress: bool = False,
         wait: bool = True,
+        zero_copy: bool = False,
     ) -> UpdateResult | UpdateOperation:
         """Send `tensors` (an nn.Module, a state dict or (name, tensor) pairs; checkpoint
         names) over the UpdateWeightsFromTensors stream: a header, then the raw bytes in
-        chunks of `chunk_bytes` (1..4 MiB). Returns as update_weights_from_disk."""
+        chunks of `chunk_bytes` (1..4 MiB). Returns as update_weights_from_disk. With
+        `zero_copy` and a loopback or unix target, by reference instead, as
+        update_weights_from_ipc (falling back to the stream if the server refuses it)."""
         if not 0 < chunk_bytes <= 4 * 1024 * 1024:
             raise ValueError("chunk_bytes must be in 1..4 MiB")
         options = UpdateOptions(version, etag, request_id, pause_mode, reset_prefix_cache, timeout)
+        if zero_copy and (result := await zero_copy_update(self, tensors, options, progress, wait)) is not None:
+            return result
         named = named_tensors(tensors)
         header = options.fill(pb2.TensorStreamHeader(tensors=[tensor_spec(n, t) for n, t in named]))
 
@@ -340,6 +348,25 @@ class AsyncTrainerClient(AsyncClient):
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
         return await self._finish(UpdateOperation.from_proto(response), options, progress, wait)
+
+    async def update_weights_from_ipc(
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        progress: bool = False,
+    ) -> UpdateResult:
+        """Load CPU or CUDA `tensors` (as update_weights_from_tensors) by reference, for a
+        server on this host: UpdateWeightsFromIpc (trainer_ipc.py). CPU tensors move into
+        shared memory on first use (once, in place). Waits for the update, since the engine
+        reads the tensors until it ends: keep them alive and unchanged until this returns."""
+        options = UpdateOptions(version, etag, request_id, pause_mode, reset_prefix_cache, timeout)
+        return await update_from_ipc(self, tensors, options, progress)
 
     # --- broadcast groups --------------------------------------------------------------
 
@@ -488,6 +515,7 @@ class TrainerClient(Client):
     cancel_operation = blocking(AsyncTrainerClient.cancel_operation)
     update_weights_from_disk = blocking(AsyncTrainerClient.update_weights_from_disk)
     update_weights_from_tensors = blocking(AsyncTrainerClient.update_weights_from_tensors)
+    update_weights_from_ipc = blocking(AsyncTrainerClient.update_weights_from_ipc)
     init_weights_update_group = blocking(AsyncTrainerClient.init_weights_update_group)
     destroy_weights_update_group = blocking(AsyncTrainerClient.destroy_weights_update_group)
     start_broadcast = blocking(AsyncTrainerClient.start_broadcast, Broadcast)

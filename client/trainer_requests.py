@@ -32,7 +32,11 @@ def parse_pause_mode(mode: str) -> pb2.PauseMode.ValueType:
 
 # The messages that carry the shared update fields.
 Request = TypeVar(
-    "Request", pb2.UpdateWeightsFromDiskRequest, pb2.TensorStreamHeader, pb2.UpdateWeightsFromDistributedRequest
+    "Request",
+    pb2.UpdateWeightsFromDiskRequest,
+    pb2.TensorStreamHeader,
+    pb2.UpdateWeightsFromDistributedRequest,
+    pb2.UpdateWeightsFromIpcRequest,
 )
 
 

@@ -23,8 +23,9 @@ BACKENDS = {"gloo": pb2.GROUP_BACKEND_GLOO, "nccl": pb2.GROUP_BACKEND_NCCL}
 TensorSource = Any
 
 
-def named_tensors(source: TensorSource, device: str = "cpu") -> list[tuple[str, Any]]:
-    """(checkpoint name, detached contiguous tensor on `device`) pairs, in `source` order."""
+def named_tensors(source: TensorSource, device: str | None = "cpu") -> list[tuple[str, Any]]:
+    """(checkpoint name, detached contiguous tensor on `device`) pairs, in `source` order;
+    with `device` None, each tensor detached as it is (no copy: trainer_ipc.py)."""
     import torch
 
     if isinstance(source, torch.nn.Module):
@@ -37,7 +38,8 @@ def named_tensors(source: TensorSource, device: str = "cpu") -> list[tuple[str, 
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        out.append((str(name), tensor.detach().to(device).contiguous()))
+        detached = tensor.detach()
+        out.append((str(name), detached if device is None else detached.to(device).contiguous()))
     return out
 
 

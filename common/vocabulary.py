@@ -64,6 +64,10 @@ class Reason:
     GROUP_NOT_FOUND = "GROUP_NOT_FOUND"
     GROUP_TIMEOUT = "GROUP_TIMEOUT"
     PARTIAL_UPDATE = "PARTIAL_UPDATE"
+    # UpdateWeightsFromIpc
+    NOT_SAME_HOST = "NOT_SAME_HOST"  # the trainer is on another host (or the server can not tell)
+    IPC_HANDLE_INVALID = "IPC_HANDLE_INVALID"  # a malformed handle, refused by the RPC
+    IPC_HANDLE_UNAVAILABLE = "IPC_HANDLE_UNAVAILABLE"  # a worker could not map a handle
     # FPM identity
     IDENTITY_SYNC_FAILED = "IDENTITY_SYNC_FAILED"
     IDENTITY_READ_FAILED = "IDENTITY_READ_FAILED"
@@ -101,3 +105,4 @@ class WeightSource(str, enum.Enum):
     DISK = "DISK"
     DISTRIBUTED = "DISTRIBUTED"
     TENSORS = "TENSORS"
+    IPC = "IPC"

@@ -106,6 +106,7 @@ class Cause(str, enum.Enum):
     ENGINE_DEAD = "ENGINE_DEAD"
     ETAG_MISMATCH = "ETAG_MISMATCH"
     LOAD_FAILED = "LOAD_FAILED"
+    IPC_HANDLE_UNAVAILABLE = "IPC_HANDLE_UNAVAILABLE"  # a worker could not map a handle
 
 
 class RankFailure(str, enum.Enum):
@@ -146,6 +147,7 @@ class Source(str, enum.Enum):
     DISK = "disk"
     TENSORS = "tensors"
     DISTRIBUTED = "distributed"
+    IPC = "ipc"
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -154,6 +156,36 @@ class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
     name: str
     dtype: str
     shape: tuple[int, ...]
+
+
+# The name torch gives a POSIX shared-memory segment (at::NewProcessWideShmHandle): the only
+# names an IPC update may map, so a handle can name no other object under /dev/shm.
+SHM_SEGMENT_PATTERN: Final = r"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}"
+
+
+class CudaShare(msgspec.Struct, frozen=True, array_like=True):
+    """One `UntypedStorage._share_cuda_()` result, as torch returns it, for one worker."""
+
+    device: int
+    memory_handle: bytes
+    storage_nbytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class IpcHandle(msgspec.Struct, frozen=True, array_like=True):
+    """Where one tensor of an IPC update lives in the trainer's memory: a storage torch
+    shared (a CPU shared-memory `segment` of `storage_nbytes`, or `cuda`: one share per
+    worker, in global worker order) and the tensor's place in it, in elements."""
+
+    storage_offset: int
+    stride: tuple[int, ...]
+    segment: str = ""
+    storage_nbytes: int = 0
+    cuda: tuple[CudaShare, ...] = ()
 
 
 class LoadPlan(msgspec.Struct, frozen=True):
@@ -170,6 +202,8 @@ class LoadPlan(msgspec.Struct, frozen=True):
     # packed into flat buffers of at most this many bytes, one broadcast per bucket
     # (common/buckets.py; a tensor larger than a bucket goes alone, unflattened).
     bucket_bytes: int = 0
+    # IPC: one handle per tensor, in `tensors` order (worker/weights/ipc.py maps them).
+    handles: tuple[IpcHandle, ...] = ()
 
 
 class LoadError(msgspec.Struct, frozen=True, array_like=True):

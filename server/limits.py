@@ -71,6 +71,9 @@ MAX_SHAPE_RANK: Final = 8
 MAX_TENSOR_ELEMENTS: Final = 1 << 40
 # TensorStreamChunk.data (CHUNK_TOO_LARGE); 1-4 MiB chunks stream fastest.
 MAX_CHUNK_BYTES: Final = 4 * 1024 * 1024
+# A CUDA IPC memory or event handle of UpdateWeightsFromIpc (IPC_HANDLE_INVALID); torch's are
+# 64 bytes, or a little more with expandable segments.
+MAX_IPC_HANDLE_BYTES: Final = 1024
 # Any request or response message on the wire (gRPC refuses larger with RESOURCE_EXHAUSTED):
 # bounds the tensor list of UpdateWeightsFromDistributed and of a stream header.
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024

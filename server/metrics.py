@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from enginectl.server.fpm.relay import FpmRelay
 from enginectl.server.weights.ledger import WeightVersionLedger
 
-SOURCES = ("disk", "distributed", "tensors")
+SOURCES = ("disk", "distributed", "tensors", "ipc")
 # How an update ended: cancelled = CancelOperation (or the caller left) before any tensor
 # was written; partial = it failed after writing began, however it failed.
 UPDATE_RESULTS = ("ok", "failed", "partial", "cancelled")
@@ -97,7 +97,7 @@ class ControlPlaneMetrics:
         revision.set_function(lambda: float(ledger.state.revision))
         self.updates = Counter(
             "enginectl_weight_updates",
-            "Weight updates finished, by source (disk, distributed, tensors) and result (ok; "
+            "Weight updates finished, by source (disk, distributed, tensors, ipc) and result (ok; "
             "failed: nothing written; partial: failed after writing began; cancelled: "
             "cancelled before anything was written).",
             ["source", "result"],

@@ -25,6 +25,7 @@ from enginectl.server.limits import (
     MAX_WORLD_SIZE,
 )
 from enginectl.server.weights.generation import parse_timeout
+from enginectl.server.weights.ipc import ipc_available
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 log = structlog.get_logger("enginectl.groups")
@@ -51,7 +52,7 @@ def check_group_name(name: str, field: str = "group_name") -> None:
 
 
 def backends() -> list[pb2.UpdateBackend.ValueType]:
-    """The update backends this machine offers (NCCL only with CUDA)."""
+    """The update backends this machine offers (NCCL only with CUDA, IPC only on Linux)."""
     found: list[pb2.UpdateBackend.ValueType] = [
         pb2.UPDATE_BACKEND_DISK,
         pb2.UPDATE_BACKEND_GLOO,
@@ -64,6 +65,8 @@ def backends() -> list[pb2.UpdateBackend.ValueType]:
             found.insert(2, pb2.UPDATE_BACKEND_NCCL)
     except Exception:  # noqa: BLE001 - no torch CUDA: no NCCL
         pass
+    if ipc_available():
+        found.append(pb2.UPDATE_BACKEND_IPC)
     return found
 
 

@@ -33,6 +33,7 @@ CAUSE_CODES: dict[str, grpc.StatusCode] = {
     Cause.ENGINE_DEAD: grpc.StatusCode.UNAVAILABLE,
     Cause.ETAG_MISMATCH: grpc.StatusCode.ABORTED,
     Cause.LOAD_FAILED: grpc.StatusCode.INTERNAL,
+    Cause.IPC_HANDLE_UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 _CAUSES = frozenset(c.value for c in Cause)

@@ -4,7 +4,8 @@ model is touched.
 Runs in the `enginectl serve` process, on the control loop. Names, shapes and dtypes are
 checked against the served checkpoint's safetensors headers; files against the allowed roots
 and their own headers; the group, version, etag, request id, pause mode and timeout against
-their bounds (server/limits.py). A plan that passes is what the update runs.
+their bounds (server/limits.py); an IPC update's host and handles in ipc.py. A plan that
+passes is what the update runs.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import grpc
 from enginectl.common import dtypes
 from enginectl.common.buckets import MAX_BUCKET_BYTES
 from enginectl.common.vocabulary import WeightSource
-from enginectl.contract.engine import TensorSpec
+from enginectl.contract.engine import IpcHandle, TensorSpec
 from enginectl.server.errors import ControlPlaneError, FieldViolation, Reason, invalid_field
 from enginectl.server.limits import (
     MAX_SHAPE_RANK,
@@ -31,6 +32,7 @@ from enginectl.server.limits import (
 from enginectl.server.weights.disk import TensorInfo, read_header, resolve_checkpoint
 from enginectl.server.weights.generation import parse_pause_mode, parse_timeout
 from enginectl.server.weights.groups import UpdateGroups, check_group_name
+from enginectl.server.weights.ipc import check_host, ipc_handles
 from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
@@ -50,6 +52,7 @@ class UpdatePlan:
     reset_cache: bool
     timeout: float
     bucket_bytes: int = 0  # DISTRIBUTED: one broadcast per bucket (common/buckets.py); 0 per tensor
+    handles: tuple[IpcHandle, ...] = ()  # IPC: one per tensor (ipc.py)
 
     @property
     def bytes_total(self) -> int:
@@ -70,6 +73,7 @@ class UpdatePlan:
             self.pause_mode,
             self.reset_cache,
             self.bucket_bytes,
+            self.handles,
         )
 
 
@@ -184,6 +188,16 @@ class UpdateValidator:
         self.check_tensors(tensors, "header.tensors")
         return UpdatePlan(WeightSource.TENSORS, tensors, [], "", *common)
 
+    def ipc(self, request: pb2.UpdateWeightsFromIpcRequest, num_workers: int) -> UpdatePlan:
+        """The trainer's host first (a trainer elsewhere is told so whatever else it sent),
+        then the tensors as every update's, then their handles (ipc.py)."""
+        common = self._common(request, "")
+        check_host(request.host)
+        tensors = self.specs_from_proto(request.tensors)
+        self.check_tensors(tensors)
+        handles = ipc_handles(tensors, request.handles, num_workers)
+        return UpdatePlan(WeightSource.IPC, tensors, [], "", *common, handles=handles)
+
     def _common(self, request: UpdateRequest, prefix: str) -> tuple[str | None, str, str, str, bool, float]:
         """The fields every update has, checked: (version, etag, request_id, pause mode,
         reset_cache, timeout); `prefix` names where they sit in the request."""
@@ -195,4 +209,9 @@ class UpdateValidator:
         return version, request.etag, request.request_id, mode, reset_cache, timeout
 
 
-UpdateRequest = pb2.UpdateWeightsFromDiskRequest | pb2.UpdateWeightsFromDistributedRequest | pb2.TensorStreamHeader
+UpdateRequest = (
+    pb2.UpdateWeightsFromDiskRequest
+    | pb2.UpdateWeightsFromDistributedRequest
+    | pb2.TensorStreamHeader
+    | pb2.UpdateWeightsFromIpcRequest
+)

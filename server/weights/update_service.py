@@ -55,7 +55,7 @@ def allowed_roots(args: argparse.Namespace, model: str) -> list[Path]:
 
 
 class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
-    """Pause/resume, the three updates (returning Operations), groups, GetServerInfo."""
+    """Pause/resume, the four updates (returning Operations), groups, GetServerInfo."""
 
     def __init__(self, info: pb2.GetServerInfoResponse, updates: WeightUpdates | None = None) -> None:
         self._info = info
@@ -116,6 +116,13 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
     ) -> operations_pb2.Operation:
         updates = self.updates
         op, _ = await updates.start(updates.plan_distributed(request))
+        return op.proto()
+
+    async def UpdateWeightsFromIpc(
+        self, request: pb2.UpdateWeightsFromIpcRequest, context: grpc.aio.ServicerContext
+    ) -> operations_pb2.Operation:
+        updates = self.updates
+        op, _ = await updates.start(updates.plans.ipc(request, self._info.num_workers))
         return op.proto()
 
     async def UpdateWeightsFromTensors(

@@ -58,11 +58,13 @@ SOURCE_PROTO = {
     WeightSource.DISK: wv_pb2.WEIGHT_SOURCE_DISK,
     WeightSource.DISTRIBUTED: wv_pb2.WEIGHT_SOURCE_DISTRIBUTED,
     WeightSource.TENSORS: wv_pb2.WEIGHT_SOURCE_TENSORS,
+    WeightSource.IPC: wv_pb2.WEIGHT_SOURCE_IPC,
 }
 WORKER_SOURCE = {
     WeightSource.DISK: Source.DISK,
     WeightSource.TENSORS: Source.TENSORS,
     WeightSource.DISTRIBUTED: Source.DISTRIBUTED,
+    WeightSource.IPC: Source.IPC,
 }
 Feed = Callable[[UpdateChannels, UpdateOperation], Awaitable[None]]
 
@@ -277,7 +279,9 @@ class WeightUpdates:
             # The declaration this update may fail back to keeps its full baseline (taken in
             # slices between generation steps): let it finish before any weight changes.
             await self.fingerprints.settle()
+            marks = [("settle", time.monotonic())]
             pause = await self._pause_for(op, plan, deadline)
+            marks.append(("pause", time.monotonic()))
             if op.cancel_requested.is_set():
                 raise UpdateFailed(Cause.UPDATE_CANCELLED, "CancelOperation before loading began", modified=False)
             try:
@@ -286,6 +290,7 @@ class WeightUpdates:
                 raise UpdateFailed(Cause.ETAG_MISMATCH, exc.message, modified=False, metadata=exc.metadata) from None
             self._phase(op, pb2.UPDATE_PHASE_RECEIVING if feed or plan.group else pb2.UPDATE_PHASE_LOADING)
             results = await self._load(op, plan, channels, deadline, feed)
+            marks.append(("load", time.monotonic()))
             errors = [(r.error.cause, r.error.message) for r in results if r.error is not None]
             modified = any(r.weights_modified for r in results)
             if channels.aborted and not errors:
@@ -297,6 +302,7 @@ class WeightUpdates:
             resumed = pause.resumes and not gen.caller_paused
             self._phase(op, pb2.UPDATE_PHASE_FINGERPRINTING)
             state = await self._finish(plan, resumed)
+            marks.append(("finish", time.monotonic()))
             lock.release()
             holding = False
             gen.partial = False
@@ -308,7 +314,7 @@ class WeightUpdates:
                     await gen.pause_engine("keep", False, None)
                     resumed = False
             self._phase(op, pb2.UPDATE_PHASE_DONE)
-            self._succeeded(op, plan, state, results, started, pause, resumed)
+            self._succeeded(op, plan, state, results, started, pause, resumed, marks)
         except UpdateFailed as failure:
             await self._fail(op, plan, failure, pause.resumes)
         except ControlPlaneError as exc:
@@ -389,6 +395,7 @@ class WeightUpdates:
         started: float,
         pause: UpdatePause,
         resumed: bool,
+        marks: list[tuple[str, float]],
     ) -> None:
         op.finish(response=success_response(plan, state, results, started, pause, resumed))
         self._report(op, plan, "ok", sum(r.bytes_loaded for r in results))
@@ -400,6 +407,12 @@ class WeightUpdates:
             tensors=len(plan.tensors),
             bytes=plan.bytes_total,
             seconds=round(time.monotonic() - started, 3),
+            # Where the time went: waiting for the last declaration's full baseline, pausing,
+            # receiving and loading, the finishing round trip (cache, fingerprint, resume).
+            phases_ms={
+                name: round((at - before) * 1e3, 1)
+                for (name, at), before in zip(marks, [started] + [at for _, at in marks], strict=False)
+            },
         )
 
     async def _fail(self, op: UpdateOperation, plan: UpdatePlan, failure: UpdateFailed, paused_by_update: bool) -> None:
@@ -465,6 +478,7 @@ class WeightUpdates:
             progress_endpoint=channels.progress_endpoint,
             deadline=deadline,
             bucket_bytes=plan.bucket_bytes,
+            handles=plan.handles,
         )
         load = asyncio.ensure_future(self._engine.load(worker_plan, timeout=plan.timeout + RPC_GRACE_S))
         progress = asyncio.ensure_future(op.follow_progress(channels.next_progress, self._ranks))

@@ -15,6 +15,8 @@ and the model stays usable; the server then knows whether any tensor was written
 
 Data and control reach the worker over ZMQ from the server (worker/weights/channel.py):
 stream chunks and abort frames (CancelOperation, timeout, broken stream) in, progress out.
+An IPC update's tensors are the trainer's memory, mapped on this thread before loading and
+unmapped before the RPC answers (worker/weights/ipc.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, So
 from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.fingerprints import FingerprintMixin, weight_access
 from enginectl.worker.weights.groups import GroupsMixin
-from enginectl.worker.weights.ranks import dp_rank
+from enginectl.worker.weights.ipc import IpcTensors
+from enginectl.worker.weights.ranks import dp_rank, global_rank
 
 
 @dataclass
@@ -56,11 +59,16 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin):
         rank = dp_rank(self)
         state = _LoadState()
         channel = Channel(plan, rank)
+        mapped: IpcTensors | None = None
         try:
             if plan.source == Source.DISK:
                 tensors = _disk_tensors(plan)
             elif plan.source == Source.TENSORS:
                 tensors = self._enginectl_stream_tensors(plan, channel)
+            elif plan.source == Source.IPC:
+                # Every handle mapped before vLLM sees a tensor: a bad one changes nothing.
+                mapped = IpcTensors(plan, global_rank(self))
+                tensors = iter(mapped.pairs)
             else:
                 tensors = self._enginectl_broadcast_tensors(plan, channel)
 
@@ -86,9 +94,13 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin):
             except Exception as exc:  # noqa: BLE001 - reported as this worker's failure
                 state.error = state.error or LoadError(Cause.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
                 _finalize_after_failure(self)
+        except Abort as exc:  # the source refused before loading began (an IPC handle)
+            state.error = state.error or LoadError(exc.cause, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported as this worker's failure
             state.error = state.error or LoadError(Cause.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
         finally:
+            if mapped is not None:  # the trainer owns the memory: no mapping outlives the load
+                mapped.close()
             channel.progress(state.loaded, state.nbytes, force=True)
             channel.close()
         return LoadResult(

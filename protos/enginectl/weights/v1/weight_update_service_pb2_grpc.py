@@ -77,6 +77,11 @@ class WeightUpdateServiceStub:
                 request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsFromTensorsRequest.SerializeToString,
                 response_deserializer=google_dot_longrunning_dot_operations__pb2.Operation.FromString,
                 _registered_method=True)
+        self.UpdateWeightsFromIpc = channel.unary_unary(
+                '/enginectl.weights.v1.WeightUpdateService/UpdateWeightsFromIpc',
+                request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsFromIpcRequest.SerializeToString,
+                response_deserializer=google_dot_longrunning_dot_operations__pb2.Operation.FromString,
+                _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/enginectl.weights.v1.WeightUpdateService/GetServerInfo',
                 request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.GetServerInfoRequest.SerializeToString,
@@ -293,6 +298,47 @@ class WeightUpdateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeightsFromIpc(self, request, context):
+        """Loads tensors the trainer holds in its own memory, on the same host, by reference: no
+        tensor bytes cross the connection. Each tensor comes with a handle to the memory torch
+        shares it in: a CPU tensor's POSIX shared-memory segment (torch's "file_system" sharing,
+        `Tensor.untyped_storage()._share_filename_cpu_()`, which moves a storage into shared
+        memory once, in place) or a CUDA tensor's CUDA IPC handle (`_share_cuda_()`). The server
+        never opens a handle and nothing is unpickled: every worker maps every handle itself
+        before the first tensor is written (CPU segments copy-on-write, so the engine never
+        changes the trainer's memory), loads the tensors as the other updates do, and unmaps
+        them before the Operation ends. The trainer must keep every tensor alive and unchanged
+        until the Operation is done. Trainer and engine must run on one host (`host`) and see
+        the same /dev/shm (not two containers with private ones). GetServerInfo.backends lists
+        UPDATE_BACKEND_IPC where this server offers it.
+
+        Errors returned by the RPC (nothing changed, no Operation):
+        FAILED_PRECONDITION NOT_SAME_HOST     `host` is unset or names another host (boot id
+        or host name differ), or this server can not
+        tell its own; ErrorInfo.metadata has both hosts.
+        INVALID_ARGUMENT  IPC_HANDLE_INVALID  `handles` not one per tensor, or a malformed
+        handle: no storage, a segment name torch does
+        not make, strides not one per dimension or
+        negative, the tensor reaching past its storage,
+        CUDA shares not one per engine worker.
+        BadRequest names the field.
+        INVALID_ARGUMENT  TENSOR_SPEC_INVALID, TENSOR_MISMATCH, TOO_MANY_TENSORS, and the
+        common update errors, as for UpdateWeightsFromDistributed.
+        Errors of the Operation (see rule 6 for what they leave behind):
+        FAILED_PRECONDITION IPC_HANDLE_UNAVAILABLE  a worker could not map a handle: no such
+        segment (the trainer freed the tensor, or it is
+        in another /dev/shm or on another host), the
+        segment is smaller than its handle says, or CUDA
+        refused the handle. Every handle is mapped
+        before any tensor is written, so this failure
+        never leaves the weights modified.
+        DEADLINE_EXCEEDED UPDATE_TIMEOUT, CANCELLED UPDATE_CANCELLED, INTERNAL LOAD_FAILED,
+        UNAVAILABLE ENGINE_DEAD, (any code) PARTIAL_UPDATE, as for UpdateWeightsFromDisk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetServerInfo(self, request, context):
         """Describes this server: model, parallelism, update backends, auth, versions, limits and
         the RPCs it implements. Read-only; no engine round trip.
@@ -342,6 +388,11 @@ def add_WeightUpdateServiceServicer_to_server(servicer, server):
             'UpdateWeightsFromTensors': grpc.stream_unary_rpc_method_handler(
                     servicer.UpdateWeightsFromTensors,
                     request_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsFromTensorsRequest.FromString,
+                    response_serializer=google_dot_longrunning_dot_operations__pb2.Operation.SerializeToString,
+            ),
+            'UpdateWeightsFromIpc': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromIpc,
+                    request_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsFromIpcRequest.FromString,
                     response_serializer=google_dot_longrunning_dot_operations__pb2.Operation.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
@@ -567,6 +618,33 @@ class WeightUpdateService:
             target,
             '/enginectl.weights.v1.WeightUpdateService/UpdateWeightsFromTensors',
             enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsFromTensorsRequest.SerializeToString,
+            google_dot_longrunning_dot_operations__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromIpc(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/enginectl.weights.v1.WeightUpdateService/UpdateWeightsFromIpc',
+            enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsFromIpcRequest.SerializeToString,
             google_dot_longrunning_dot_operations__pb2.Operation.FromString,
             options,
             channel_credentials,

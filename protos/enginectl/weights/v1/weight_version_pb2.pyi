@@ -41,6 +41,8 @@ class _WeightSourceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightSo
     """UpdateWeightsFromDistributed received the weights from a broadcast group."""
     WEIGHT_SOURCE_TENSORS: _WeightSource.ValueType  # 4
     """UpdateWeightsFromTensors received the weights over the gRPC stream itself."""
+    WEIGHT_SOURCE_IPC: _WeightSource.ValueType  # 5
+    """UpdateWeightsFromIpc loaded the weights from the trainer's memory on the same host."""
 
 class WeightSource(_WeightSource, metaclass=_WeightSourceEnumTypeWrapper):
     """How the version in effect came to be declared."""
@@ -55,6 +57,8 @@ WEIGHT_SOURCE_DISTRIBUTED: WeightSource.ValueType  # 3
 """UpdateWeightsFromDistributed received the weights from a broadcast group."""
 WEIGHT_SOURCE_TENSORS: WeightSource.ValueType  # 4
 """UpdateWeightsFromTensors received the weights over the gRPC stream itself."""
+WEIGHT_SOURCE_IPC: WeightSource.ValueType  # 5
+"""UpdateWeightsFromIpc loaded the weights from the trainer's memory on the same host."""
 Global___WeightSource: _TypeAlias = WeightSource  # noqa: Y015
 
 @_typing.final
