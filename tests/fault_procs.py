@@ -86,7 +86,9 @@ def broadcast(target: str, file: str, group: str, version: str, count: int, time
     tensors = load_file(file)
     client = TrainerClient(target)
     client.init_weights_update_group(group, timeout=60.0)
-    started = client.start_broadcast(tensors, version, group_name=group, timeout=timeout)
+    # One collective per tensor: exactly `count` tensors go (tests/trainer_proc.py breaks a
+    # bucketed broadcast part way).
+    started = client.start_broadcast(tensors, version, group_name=group, timeout=timeout, bucket_bytes=0)
     if count:
         started.send(count)
     emit({"operation": started.name, "sent": count})
