@@ -273,17 +273,13 @@ def _checkpoint_table(ck: dict[str, Any]) -> list[str]:
         lines += [
             "",
             "Where an update's time goes (the server's own phase timings, `phases_ms` of its "
-            '"weights updated" log line; medians, ms): *settle* waits for the previous '
-            "declaration's full fingerprint baseline, *pause* pauses generation, *load* receives "
+            '"weights updated" log line; medians, ms): *pause* pauses generation, *load* receives '
             "and loads on every rank, *finish* is one round trip per rank (prefix-cache reset, "
             "sampled fingerprint, version stamp, resume).",
             "",
-            "| update | settle | pause | load | finish |",
-            "|---|---|---|---|---|",
+            "| update | pause | load | finish |",
+            "|---|---|---|---|",
         ]
         for kind, p in sorted(phases.items()):
-            lines.append(
-                f"| {kind} | {p.get('settle', '')} | {p.get('pause', '')} | {p.get('load', '')} | "
-                f"{p.get('finish', '')} |"
-            )
+            lines.append(f"| {kind} | {p.get('pause', '')} | {p.get('load', '')} | {p.get('finish', '')} |")
     return lines

@@ -48,6 +48,7 @@ from enginectl.client.trainer_tensors import named_tensors
 from enginectl.contract.engine import IpcHandle, LoadPlan, Source, TensorSpec
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_pb2 as wv
+from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 
 EMBED = "model.embed_tokens.weight"
 
@@ -316,6 +317,10 @@ def test_unmappable_handle_fails_before_any_weight_is_written(
     tokens_a: list[int],
     tokens_b: list[int],
 ) -> None:
+    # A fresh declaration: its full fingerprint baseline is still being taken in slices when
+    # the failing update starts (an update does not wait for it). The update fails before
+    # writing, so that baseline must complete and still describe the weights.
+    client.update_weights_from_ipc(states["A"], "fresh-a")
     before = stubs.version()
     request = request_for(states["B"], "unmappable")
     # The last handle only: every tensor before it maps fine, yet none may be written.
@@ -334,6 +339,7 @@ def test_unmappable_handle_fails_before_any_weight_is_written(
     assert not after.HasField("last_failure")
     assert not stubs.state().paused
     assert greedy_tokens(weights_server) == tokens_a
+    assert stubs.verify(full=True).verdict == vpb.VERIFY_VERDICT_MATCH
     if how != "vanished segment":  # the worker never grew the trainer's segment
         assert _segment_size(memory.segment_name) == size
     assert not engine_mappings(weights_server) & segments(states["B"])

@@ -8,8 +8,9 @@ module only decides what to ask for and when:
   the EngineCore runs generation steps between them;
 - VerifyWeights(full) first lets the baseline finish, then takes the full digest of the
   weights now, also in slices;
-- an update lets the baseline finish before it writes (the declaration it may fail back to
-  keeps a full baseline).
+- an update does not wait for the baseline: the workers answer its remaining slices
+  "superseded" once the update wrote a weight, and go on if it failed before writing (the
+  declaration it falls back to keeps its baseline).
 """
 
 from __future__ import annotations
@@ -59,10 +60,6 @@ class WeightFingerprints:
         self._baseline = asyncio.ensure_future(self._drive(DigestJob.BASELINE, token))
         self._baseline.add_done_callback(_retrieve)
         return self._fold(workers)
-
-    async def settle(self) -> None:
-        """Let the running full baseline finish (before weights change)."""
-        await self._recorded_full()
 
     async def verify_full(self) -> tuple[Fingerprint | None, Fingerprint]:
         """(recorded full digest of the last declaration, or None; full digest now)."""

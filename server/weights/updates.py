@@ -276,12 +276,12 @@ class WeightUpdates:
         pause = UpdatePause()  # generation as the update found it, and what pausing did
         holding = True  # the ledger's write lock, taken in start()
         try:
-            # The declaration this update may fail back to keeps its full baseline (taken in
-            # slices between generation steps): let it finish before any weight changes.
-            await self.fingerprints.settle()
-            marks = [("settle", time.monotonic())]
+            # The last declaration's full baseline may still be running in slices: it is not
+            # waited for. Its slices queue behind this update's load on the engine; the worker
+            # answers them "superseded" once the load wrote a weight (the version is then new,
+            # or undeclared), and goes on hashing if the update failed before writing.
             pause = await self._pause_for(op, plan, deadline)
-            marks.append(("pause", time.monotonic()))
+            marks = [("pause", time.monotonic())]
             if op.cancel_requested.is_set():
                 raise UpdateFailed(Cause.UPDATE_CANCELLED, "CancelOperation before loading began", modified=False)
             try:
@@ -407,8 +407,8 @@ class WeightUpdates:
             tensors=len(plan.tensors),
             bytes=plan.bytes_total,
             seconds=round(time.monotonic() - started, 3),
-            # Where the time went: waiting for the last declaration's full baseline, pausing,
-            # receiving and loading, the finishing round trip (cache, fingerprint, resume).
+            # Where the time went: pausing, receiving and loading, the finishing round trip
+            # (cache reset, fingerprint, version stamp, resume).
             phases_ms={
                 name: round((at - before) * 1e3, 1)
                 for (name, at), before in zip(marks, [started] + [at for _, at in marks], strict=False)

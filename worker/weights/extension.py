@@ -33,7 +33,7 @@ from enginectl.common import dtypes
 from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, Source, TensorSpec, WorkerRpc, read, wire
 from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.fingerprints import FingerprintMixin, weight_access
-from enginectl.worker.weights.groups import GroupsMixin
+from enginectl.worker.weights.groups import GroupsMixin, typed_view
 from enginectl.worker.weights.ipc import IpcTensors
 from enginectl.worker.weights.ranks import dp_rank, global_rank
 
@@ -127,7 +127,8 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin):
             while index < len(specs) and start + _nbytes(specs[index]) <= received:
                 spec = specs[index]
                 size = _nbytes(spec)
-                tensor = buffer[start : start + size].view(getattr(torch, spec.dtype)).reshape(spec.shape)
+                # A view, or a copy when a 1-byte tensor of odd size came before it.
+                tensor = typed_view(buffer, start, spec.dtype, spec.shape)
                 start += size
                 index += 1
                 yield spec.name, tensor

@@ -24,6 +24,7 @@ inside it, and it refuses a second thread or an overlapping entry.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import threading
 import time
@@ -255,10 +256,23 @@ def _sampled_digest(model: Any) -> tuple[str, int]:
             digest.update(_header(name, tensor))
             flat = tensor.detach().reshape(-1)
             if flat.numel() > SAMPLE_ELEMENTS:
-                flat = flat[torch.linspace(0, flat.numel() - 1, SAMPLE_ELEMENTS).long()]
+                flat = flat[_sample_indices(flat.numel())]
             digest.update(flat.contiguous().view(torch.uint8).numpy().tobytes())
     probes = _probe(model, digest)
     return digest.hexdigest(), probes
+
+
+@functools.lru_cache(maxsize=4096)
+def _sample_indices(numel: int) -> torch.Tensor:
+    """SAMPLE_ELEMENTS evenly spaced indices into `numel` elements (kept: a model has few sizes)."""
+    return torch.linspace(0, numel - 1, SAMPLE_ELEMENTS).long()
+
+
+@functools.lru_cache(maxsize=4096)
+def _probe_input(name: str, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The fixed input of the probe of layer `name`, seeded by its name (kept: it never changes)."""
+    generator = torch.Generator().manual_seed(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
+    return torch.randn(1, in_features, generator=generator).to(dtype)
 
 
 def _packed_linears(model: Any) -> Iterator[tuple[str, Any, Any, int]]:
@@ -284,8 +298,7 @@ def _probe(model: Any, digest: Any) -> int:
     probes = 0
     with torch.inference_mode():
         for name, linear, weight, in_features in _packed_linears(model):
-            generator = torch.Generator().manual_seed(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
-            probe = torch.randn(1, in_features, generator=generator).to(weight.dtype)
+            probe = _probe_input(name, in_features, weight.dtype)
             digest.update(name.encode())
             digest.update(linear(probe, weight, None).float().contiguous().view(torch.uint8).numpy().tobytes())
             probes += 1
