@@ -29,8 +29,8 @@ from enginectl.client.client import DEFAULT_TARGET, ChannelOptions, Client
 from enginectl.client.errors import from_rpc_error
 from enginectl.client.trainer_broadcast import AsyncBroadcast, Broadcast
 from enginectl.client.trainer_ipc import update_from_ipc, zero_copy_update
-from enginectl.client.trainer_operations import AsyncOperationsClient
 from enginectl.client.trainer_requests import GRACE_S, UpdateOptions, duration, parse_pause_mode
+from enginectl.client.trainer_staging import AsyncStagingMixin
 from enginectl.client.trainer_tensors import (
     BACKENDS,
     BroadcastGroup,
@@ -58,7 +58,7 @@ DEFAULT_GROUP = "enginectl-trainer"
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 
-class AsyncTrainerClient(AsyncOperationsClient):
+class AsyncTrainerClient(AsyncStagingMixin):
     """asyncio trainer client: `async with AsyncTrainerClient("host:port") as t: ...`."""
 
     def __init__(self, target: str = DEFAULT_TARGET, **config: Unpack[ChannelOptions]) -> None:
@@ -265,11 +265,16 @@ class AsyncTrainerClient(AsyncOperationsClient):
         chunks of `chunk_bytes` (1..4 MiB). Returns as update_weights_from_disk. With
         `zero_copy` and a loopback or unix target, by reference instead, as
         update_weights_from_ipc (falling back to the stream if the server refuses it)."""
-        if not 0 < chunk_bytes <= 4 * 1024 * 1024:
-            raise ValueError("chunk_bytes must be in 1..4 MiB")
         options = UpdateOptions(version, etag, request_id, pause_mode, reset_prefix_cache, timeout)
         if zero_copy and (result := await zero_copy_update(self, tensors, options, progress, wait)) is not None:
             return result
+        op = await self._stream_tensors(tensors, options, chunk_bytes)
+        return await self._finish(op, options, progress, wait)
+
+    async def _stream_tensors(self, tensors: TensorSource, options: UpdateOptions, chunk_bytes: int) -> UpdateOperation:
+        """UpdateWeightsFromTensors: the header, then every byte; the Operation it started."""
+        if not 0 < chunk_bytes <= 4 * 1024 * 1024:
+            raise ValueError("chunk_bytes must be in 1..4 MiB")
         named = named_tensors(tensors)
         header = options.fill(pb2.TensorStreamHeader(tensors=[tensor_spec(n, t) for n, t in named]))
 
@@ -283,7 +288,7 @@ class AsyncTrainerClient(AsyncOperationsClient):
             )
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
-        return await self._finish(UpdateOperation.from_proto(response), options, progress, wait)
+        return UpdateOperation.from_proto(response)
 
     async def update_weights_from_ipc(
         self,
@@ -383,15 +388,17 @@ class AsyncTrainerClient(AsyncOperationsClient):
         timeout: float | None = None,
         progress: bool = False,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        stage_only: bool = False,
     ) -> AsyncBroadcast:
         """Start UpdateWeightsFromDistributed for `tensors` (in their order); broadcast them
         with `send()` and wait with `wait()`. broadcast_weights does all three. Tensors of at
-        most `bucket_bytes` go packed in buckets, one collective each (0: one per tensor)."""
+        most `bucket_bytes` go packed in buckets, one collective each (0: one per tensor).
+        `stage_only`: the engine stages them (see stage_broadcast_weights)."""
         group = self._groups.get(group_name)
         if group is None:
             raise ValueError(f"no local group {group_name!r}: call init_weights_update_group first")
         named = named_tensors(tensors, group.device)
-        options = UpdateOptions(version, etag, request_id, pause_mode, reset_prefix_cache, timeout)
+        options = UpdateOptions(version, etag, request_id, pause_mode, reset_prefix_cache, timeout, stage_only)
         request = options.fill(
             pb2.UpdateWeightsFromDistributedRequest(
                 group_name=group_name, tensors=[tensor_spec(n, t) for n, t in named], bucket_bytes=bucket_bytes
@@ -456,3 +463,8 @@ class TrainerClient(Client):
     destroy_weights_update_group = blocking(AsyncTrainerClient.destroy_weights_update_group)
     start_broadcast = blocking(AsyncTrainerClient.start_broadcast, Broadcast)
     broadcast_weights = blocking(AsyncTrainerClient.broadcast_weights)
+    stage_weights_from_disk = blocking(AsyncTrainerClient.stage_weights_from_disk)
+    stage_weights_from_tensors = blocking(AsyncTrainerClient.stage_weights_from_tensors)
+    stage_broadcast_weights = blocking(AsyncTrainerClient.stage_broadcast_weights)
+    commit_staged_weights = blocking(AsyncTrainerClient.commit_staged_weights)
+    discard_staged_weights = blocking(AsyncTrainerClient.discard_staged_weights)

@@ -37,6 +37,7 @@ Request = TypeVar(
     pb2.TensorStreamHeader,
     pb2.UpdateWeightsFromDistributedRequest,
     pb2.UpdateWeightsFromIpcRequest,
+    pb2.CommitStagedWeightsRequest,
 )
 
 
@@ -50,6 +51,7 @@ class UpdateOptions:
     pause_mode: str = "keep"
     reset_prefix_cache: bool = True
     timeout: float | None = None
+    stage_only: bool = False  # receive into the staging area; commit_staged_weights applies it
 
     def fill(self, msg: Request) -> Request:
         """Set the shared fields on a request or stream header; returns it."""
@@ -61,6 +63,10 @@ class UpdateOptions:
         msg.reset_prefix_cache = self.reset_prefix_cache
         if self.timeout is not None:
             msg.timeout.CopyFrom(duration(self.timeout))
+        if self.stage_only:
+            if isinstance(msg, (pb2.UpdateWeightsFromIpcRequest, pb2.CommitStagedWeightsRequest)):
+                raise ValueError(f"{type(msg).__name__} can not be staged")
+            msg.stage_only = True
         return msg
 
     def wait_bound(self) -> float | None:

@@ -7,6 +7,7 @@ vLLM. Field meanings are those of `enginectl/weights/v1/weight_update_service.pr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from google.longrunning import operations_pb2
 
@@ -78,6 +79,36 @@ class RankResult:
 
 
 @dataclass(frozen=True)
+class StagedWeights:
+    """A staged set (two-phase update): received, not applied. Commit it with
+    `commit_staged_weights(name)`, drop it with `discard_staged_weights(name)`."""
+
+    name: str
+    operation: str
+    source: str
+    weight_version: str | None
+    tensors: int
+    bytes: int
+    fingerprint: str  # digest of the staged bytes: equal on servers that staged the same tensors
+    fingerprint_method: str
+    expire_time: datetime | None
+
+    @classmethod
+    def from_proto(cls, msg: pb2.StagedWeights) -> StagedWeights:
+        return cls(
+            name=msg.name,
+            operation=msg.operation,
+            source=_enum_name(weight_version_pb2.WeightSource, msg.source, "WEIGHT_SOURCE_"),
+            weight_version=msg.weight_version if msg.HasField("weight_version") else None,
+            tensors=msg.tensors,
+            bytes=msg.bytes,
+            fingerprint=msg.fingerprint.digest,
+            fingerprint_method=msg.fingerprint.method,
+            expire_time=msg.expire_time.ToDatetime(tzinfo=timezone.utc) if msg.HasField("expire_time") else None,
+        )
+
+
+@dataclass(frozen=True)
 class UpdateResult:
     """A successful update: the WeightVersion after it, per-rank results, pause facts."""
 
@@ -90,6 +121,7 @@ class UpdateResult:
     generation_resumed: bool
     pause_duration: float
     duration: float
+    staged: StagedWeights | None = None  # a stage_only update: the set it left
 
     @classmethod
     def from_proto(cls, operation: str, msg: pb2.UpdateWeightsResponse) -> UpdateResult:
@@ -106,6 +138,7 @@ class UpdateResult:
             generation_resumed=msg.generation_resumed,
             pause_duration=msg.pause_duration.ToTimedelta().total_seconds(),
             duration=msg.duration.ToTimedelta().total_seconds(),
+            staged=StagedWeights.from_proto(msg.staged) if msg.HasField("staged") else None,
         )
 
 
@@ -162,6 +195,7 @@ class GenerationState:
     num_waiting_requests: int
     update_operation: str
     ranks: tuple[RankGenerationState, ...]
+    staged: StagedWeights | None = None  # the set waiting for a commit, if any
 
     @classmethod
     def from_proto(cls, msg: pb2.GenerationState) -> GenerationState:
@@ -176,6 +210,7 @@ class GenerationState:
                 RankGenerationState(r.dp_rank, r.paused, r.num_running_requests, r.num_waiting_requests)
                 for r in msg.ranks
             ),
+            staged=StagedWeights.from_proto(msg.staged) if msg.HasField("staged") else None,
         )
 
 
@@ -217,6 +252,8 @@ class ServerInfo:
     max_chunk_bytes: int
     incarnation: str
     supported_rpcs: tuple[str, ...]
+    max_staged_bytes: int = 0  # two-phase updates: the largest staged set (0: not offered)
+    staged_ttl: float = 0.0  # seconds a staged set is kept
 
     @classmethod
     def from_proto(cls, msg: pb2.GetServerInfoResponse) -> ServerInfo:
@@ -234,6 +271,8 @@ class ServerInfo:
             max_chunk_bytes=msg.limits.max_chunk_bytes or 4 * 1024 * 1024,
             incarnation=msg.incarnation,
             supported_rpcs=tuple(msg.supported_rpcs),
+            max_staged_bytes=msg.staging.max_staged_bytes,
+            staged_ttl=msg.staging.ttl.ToTimedelta().total_seconds(),
         )
 
 

@@ -68,6 +68,13 @@ class Reason:
     NOT_SAME_HOST = "NOT_SAME_HOST"  # the trainer is on another host (or the server can not tell)
     IPC_HANDLE_INVALID = "IPC_HANDLE_INVALID"  # a malformed handle, refused by the RPC
     IPC_HANDLE_UNAVAILABLE = "IPC_HANDLE_UNAVAILABLE"  # a worker could not map a handle
+    # Two-phase updates (stage_only, CommitStagedWeights, DiscardStagedWeights)
+    STAGED_WEIGHTS_EXIST = "STAGED_WEIGHTS_EXIST"  # one staged set per server
+    STAGING_LIMIT_EXCEEDED = "STAGING_LIMIT_EXCEEDED"  # over --max-staged-bytes
+    STAGED_NAME_INVALID = "STAGED_NAME_INVALID"
+    STAGED_WEIGHTS_NOT_FOUND = "STAGED_WEIGHTS_NOT_FOUND"
+    STAGED_WEIGHTS_EXPIRED = "STAGED_WEIGHTS_EXPIRED"
+    STAGE_INCOMPLETE = "STAGE_INCOMPLETE"  # a commit of a set still being received
     # FPM identity
     IDENTITY_SYNC_FAILED = "IDENTITY_SYNC_FAILED"
     IDENTITY_READ_FAILED = "IDENTITY_READ_FAILED"

@@ -84,6 +84,11 @@ class WorkerRpc(str, enum.Enum):
     FINGERPRINT = "enginectl_fingerprint"
     DECLARE_FINGERPRINT = "enginectl_declare_fingerprint"
     FULL_DIGEST = "enginectl_full_digest"
+    # Two-phase updates (worker/weights/staging.py): start staging on a background thread,
+    # read how it ended, drop a staged set.
+    STAGE = "enginectl_stage"
+    STAGE_RESULT = "enginectl_stage_result"
+    DISCARD_STAGED = "enginectl_discard_staged"
 
 
 # --- failure causes ------------------------------------------------------------------------
@@ -148,6 +153,7 @@ class Source(str, enum.Enum):
     TENSORS = "tensors"
     DISTRIBUTED = "distributed"
     IPC = "ipc"
+    STAGED = "staged"  # a commit: the tensors staged under LoadPlan.stage_token
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -204,6 +210,8 @@ class LoadPlan(msgspec.Struct, frozen=True):
     bucket_bytes: int = 0
     # IPC: one handle per tensor, in `tensors` order (worker/weights/ipc.py maps them).
     handles: tuple[IpcHandle, ...] = ()
+    # STAGE: the token the staged set is kept under; LOAD of Source.STAGED: the set to load.
+    stage_token: str = ""
 
 
 class LoadError(msgspec.Struct, frozen=True, array_like=True):
@@ -221,6 +229,33 @@ class LoadResult(msgspec.Struct, frozen=True):
     weights_modified: bool  # a tensor was handed to vLLM: the weights may be mixed
     duration: float
     error: LoadError | None = None
+
+
+# --- staging (WorkerRpc.STAGE, STAGE_RESULT, DISCARD_STAGED) -------------------------------
+
+
+class StageAck(msgspec.Struct, frozen=True, array_like=True):
+    """A worker's answer to STAGE: it started staging (it reports `frames.staged` when done)."""
+
+    dp_rank: int
+    worker_rank: int
+
+
+class StageResult(msgspec.Struct, frozen=True):
+    """How one worker's staging ended (or `done` False while it still receives)."""
+
+    dp_rank: int
+    worker_rank: int
+    done: bool
+    tensors: int = 0
+    nbytes: int = 0
+    digest: str = ""  # of the staged bytes (STAGED_DIGEST_METHOD), when done without error
+    error: LoadError | None = None
+
+
+# How StageResult.digest is computed (worker/weights/staging.py): equal on two servers that
+# staged the same tensors.
+STAGED_DIGEST_METHOD: Final = "staged-crc32"
 
 
 # --- update groups (WorkerRpc.INIT_GROUP, DESTROY_GROUP) -----------------------------------

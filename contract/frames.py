@@ -6,7 +6,8 @@ Per update, the server binds (server/weights/channels.py) and every worker conne
   stream's bytes, at an offset into the concatenated tensors) and `abort` frames (stop now,
   with a cause: CancelOperation, the update's timeout, a broken client stream);
 - one progress channel (workers PUSH -> server PULL) carrying (dp_rank, tensors, bytes) of
-  what a worker has loaded so far.
+  what a worker has loaded (or staged) so far, and, for a stage, a `staged` frame from each
+  worker when its staging ended.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ CHUNK: Final = b"chunk"
 ABORT: Final = b"abort"
 _OFFSET = struct.Struct("<Q")
 _PROGRESS = struct.Struct("<iIQ")
+STAGED: Final = b"staged:"
+_STAGED = struct.Struct("<ii")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,20 @@ def read_progress(frame: bytes) -> tuple[int, int, int]:
     """(dp_rank, tensors loaded, bytes loaded)."""
     dp_rank, tensors, nbytes = _PROGRESS.unpack(frame)
     return int(dp_rank), int(tensors), int(nbytes)
+
+
+def staged(dp_rank: int, worker_rank: int) -> bytes:
+    """A worker finished staging (successfully or not): read its StageResult now."""
+    return STAGED + _STAGED.pack(dp_rank, worker_rank)
+
+
+def read_report(frame: bytes) -> tuple[int, int, int] | tuple[int, int]:
+    """A progress-channel frame: (dp_rank, tensors, bytes) progress, or (dp_rank,
+    worker_rank) of a `staged` report."""
+    if frame.startswith(STAGED):
+        dp_rank, worker_rank = _STAGED.unpack(frame[len(STAGED) :])
+        return int(dp_rank), int(worker_rank)
+    return read_progress(frame)
 
 
 def _bytes(frame: Any) -> bytes:

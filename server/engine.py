@@ -36,6 +36,8 @@ from enginectl.contract.engine import (
     RankFailure,
     RankGenerationState,
     RankIdentity,
+    StageAck,
+    StageResult,
     Utility,
     VllmUtility,
     WorkerDigest,
@@ -46,6 +48,7 @@ from enginectl.contract.engine import (
 from enginectl.server.control_loop import run_on
 from enginectl.server.engine_processes import reap_children
 from enginectl.server.errors import ControlPlaneError, Reason
+from enginectl.server.limits import RPC_GRACE_S
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -280,6 +283,21 @@ class EngineAdapter:
         the RPC itself (the workers stop at `plan.deadline`)."""
         per_rank = await self._workers(WorkerRpc.LOAD, wire(plan), timeout=timeout)
         return [read(LoadResult, worker) for workers in per_rank for worker in workers]
+
+    async def stage(self, plan: LoadPlan) -> list[list[StageAck]]:
+        """Every worker starts staging `plan` on a thread of its own and answers at once."""
+        per_rank = await self._workers(WorkerRpc.STAGE, wire(plan), timeout=RPC_GRACE_S)
+        return [[read(StageAck, w) for w in rank] for rank in per_rank]
+
+    async def stage_result(self, token: str) -> list[list[StageResult]]:
+        """How every worker's staging of `token` ended (or that it still runs)."""
+        per_rank = await self._workers(WorkerRpc.STAGE_RESULT, token, timeout=RPC_GRACE_S)
+        return [[read(StageResult, w) for w in rank] for rank in per_rank]
+
+    async def discard_staged(self, token: str, free: bool) -> int:
+        """Every worker drops the staged set `token`; the bytes the workers held."""
+        per_rank = await self._workers(WorkerRpc.DISCARD_STAGED, token, free, timeout=RPC_GRACE_S)
+        return sum(int(w) for rank in per_rank for w in rank)
 
     async def finish_update(self, request: FinishUpdate) -> list[list[WorkerDigest]]:
         """Cache reset, fingerprint, version stamp and resume: one round trip per rank.

@@ -124,6 +124,10 @@ class ControlPlaneServer:
         self.fpm_relay = fpm_relay or FpmRelay(incarnation=ledger.incarnation)
         self._tls = tls
         self._engine_dead = False
+        self._serving = False  # set_serving(True) was called (the server is up)
+        self._quarantined = False  # an update failed part-way: the weights may be mixed
+        if updates is not None:
+            updates.generation.on_partial = self.set_quarantined
         self._interceptor = interceptor = RpcInterceptor(
             token=BearerToken(token) if token else None,
             log_reads=log_reads,
@@ -226,6 +230,7 @@ class ControlPlaneServer:
             info.fingerprint_method = self.updates.fingerprint_method
             info.full_fingerprint_method = self.updates.full_fingerprint_method
             info.allowed_weight_roots.extend(str(root) for root in self.updates.allowed_roots)
+            info.staging.CopyFrom(self.updates.staging.info())
         if engine is not None:
             info.model = engine.model
             info.served_model_names.extend(engine.served_model_names)
@@ -271,10 +276,20 @@ class ControlPlaneServer:
         return bound
 
     async def set_serving(self, serving: bool) -> None:
-        """Health of the whole server ("") and of every enginectl service. Once the engine
-        died it stays NOT_SERVING."""
-        if serving and self._engine_dead:
-            return
+        """Health of the whole server ("") and of every enginectl service: SERVING once the
+        server is up, unless quarantined; once the engine died it stays NOT_SERVING."""
+        self._serving = serving
+        await self._apply_health()
+
+    async def set_quarantined(self, quarantined: bool) -> None:
+        """An update failed part-way (or the engine holds its mixed weights again): NOT_SERVING
+        so routers and readiness probes take this server out, until an update succeeds or
+        ResumeGeneration(force=true) (docs/operations.md, "Quarantine")."""
+        self._quarantined = quarantined
+        await self._apply_health()
+
+    async def _apply_health(self) -> None:
+        serving = self._serving and not self._quarantined and not self._engine_dead
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)

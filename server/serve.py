@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from enginectl.server.grpc_server import ControlPlaneServer, TlsConfig
     from enginectl.server.rollouts import RolloutService
     from enginectl.server.weights.ledger import Fingerprint
+    from enginectl.server.weights.update_service import StagingLimits
 
 from enginectl.server.serve_args import check_port_free, configure_logging, parse_args, security
 
@@ -88,6 +89,7 @@ async def _start_plane(
     weight_roots: list[Path] | None = None,
     rollouts: RolloutService | None = None,
     token_guards_rollouts: bool = False,
+    staging: StagingLimits | None = None,
 ) -> tuple[ControlPlaneServer, int]:
     """Build and start the gRPC server; runs on the control loop, which then owns it."""
     from enginectl.contract.engine import UNDECLARED_LABEL
@@ -96,6 +98,7 @@ async def _start_plane(
     from enginectl.server.weights.disk import checkpoint_tensors
     from enginectl.server.weights.ledger import WeightVersionLedger
     from enginectl.server.weights.operations import OperationStore
+    from enginectl.server.weights.staging import DEFAULT_TTL_S
     from enginectl.server.weights.updates import WeightUpdates
 
     updates: WeightUpdates | None = None
@@ -121,6 +124,9 @@ async def _start_plane(
         expected=expected,
         on_finished=metrics.update_done,
         on_pause=metrics.pause_changed,
+        max_staged_bytes=staging.max_bytes if staging else None,
+        staged_ttl=staging.ttl if staging else DEFAULT_TTL_S,
+        on_staged_bytes=metrics.set_staged_bytes,
     )
     await updates.prepare()  # milliseconds
     plane = ControlPlaneServer(
@@ -236,7 +242,7 @@ async def serve(args: argparse.Namespace) -> int:
     from enginectl.server.engine_processes import adopt_orphans
     from enginectl.server.fpm.identity_gate import configure_identity
     from enginectl.server.fpm.relay_zmq import FpmRelayHost
-    from enginectl.server.weights.update_service import allowed_roots, configure_engine_args
+    from enginectl.server.weights.update_service import allowed_roots, configure_engine_args, staging_limits
 
     grpc_port, args.grpc_port = args.grpc_port, None  # see build_parser
     token, tls = security(args)
@@ -293,6 +299,7 @@ async def serve(args: argparse.Namespace) -> int:
                     allowed_roots(args, engine.info.model),
                     rollouts,
                     args.token_guards_rollouts,
+                    staging_limits(args),
                 )
             )
         except StartupError as exc:

@@ -40,6 +40,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2, text_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2
 from hypothesis import strategies as st
 
 from enginectl.client.errors import Reason
@@ -262,8 +263,11 @@ class Fuzzer(FuzzCalls):
                 op_failed = self.check_status(operation.error).reason
             op_succeeded = not op_failed
         after, health_after = self.get_version(), self.health()
-        assert health_after == health_before, f"health {health_before} -> {health_after}: {described}"
         partial = Reason.PARTIAL_UPDATE in (outcome.reason, op_failed) and not replayed
+        # A partial update quarantines the server (NOT_SERVING until a success or a forced
+        # resume); nothing else changes health.
+        want_health = health_pb2.HealthCheckResponse.NOT_SERVING if partial else health_before
+        assert health_after == want_health, f"health {health_before} -> {health_after}: {described}"
         refused = (outcome.code is not grpc.StatusCode.OK and not outcome.client_side) or bool(op_failed)
         if partial:
             # Rule 6: failed after writing began: undeclared, with last_failure; paused.

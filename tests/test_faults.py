@@ -37,6 +37,8 @@ import pytest
 from fault_helpers import (
     EXIT_WITHIN_S,
     FAILED_WITHIN_S,
+    HEALTH_SERVICES,
+    SERVING,
     WRITTEN_BYTES,
     Child,
     FirstLife,
@@ -49,6 +51,7 @@ from fault_helpers import (
     failure,
     fpm_position,
     generated,
+    health,
     metadata,
     read_samples,
     refused,
@@ -390,6 +393,7 @@ def test_cancel_after_writing_began_holds_generation_until_a_forced_resume(
     resumed = stubs.updates.ResumeGeneration(upb.ResumeGenerationRequest(force=True), timeout=30)
     assert resumed.was_paused and not resumed.state.paused
     assert not stubs.state().paused
+    assert health(stubs) == {name: SERVING for name in HEALTH_SERVICES}  # the operator's call
     assert len(generated(fault_server, 8)) == 8  # generates again, with whatever weights it holds
     version = stubs.version()  # still not confident about them
     assert not version.declared and version.last_failure.cause == "UPDATE_CANCELLED"

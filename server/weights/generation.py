@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import grpc
@@ -85,12 +85,21 @@ class Generation:
         # None on resume (the metrics' pause clock).
         self._on_pause = on_pause
         self.caller_paused = False  # PauseGeneration holds generation (until ResumeGeneration)
-        self.partial = False  # held paused after a partial update
+        self.partial = False  # held paused after a partial update (set through set_partial)
+        # Hears every change of `partial`, before the call that changed it answers: gRPC
+        # health goes NOT_SERVING while the weights may be mixed (the quarantine).
+        self.on_partial: Callable[[bool], Awaitable[None]] | None = None
         self.mode = ""  # the mode of the pause in effect ("" when running)
         self.pause_time: float | None = None
         self.active: UpdateOperation | None = None  # the update running, or last run
         self.utilities = False  # EngineCores have enginectl's utilities (WeightUpdates.prepare)
         self.ranks_at_update_start = [RankGenerationState(r, False) for r in range(ranks)]
+
+    async def set_partial(self, partial: bool) -> None:
+        changed = partial != self.partial
+        self.partial = partial
+        if changed and self.on_partial is not None:
+            await self.on_partial(partial)
 
     def updating(self) -> bool:
         return self.active is not None and not self.active.done
@@ -267,6 +276,6 @@ class Generation:
             await self.resume_engine()
         was_paused = any(r.paused for r in ranks)
         self.caller_paused = False
-        self.partial = False
+        await self.set_partial(False)
         after = [RankGenerationState(r.dp_rank, False, r.running, r.waiting) for r in ranks]
         return pb2.ResumeGenerationResponse(state=await self.state(after), was_paused=was_paused)

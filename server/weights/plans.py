@@ -53,6 +53,8 @@ class UpdatePlan:
     timeout: float
     bucket_bytes: int = 0  # DISTRIBUTED: one broadcast per bucket (common/buckets.py); 0 per tensor
     handles: tuple[IpcHandle, ...] = ()  # IPC: one per tensor (ipc.py)
+    stage_only: bool = False  # receive into the staging area; CommitStagedWeights applies it
+    stage_token: str = ""  # a commit: load the set the workers staged under this token
 
     @property
     def bytes_total(self) -> int:
@@ -74,6 +76,8 @@ class UpdatePlan:
             self.reset_cache,
             self.bucket_bytes,
             self.handles,
+            self.stage_only,
+            self.stage_token,
         )
 
 
@@ -159,7 +163,7 @@ class UpdateValidator:
         files = resolve_checkpoint(request.path, self.allowed_roots)
         tensors = [info for file in files for info in read_header(file)]
         self.check_tensors(tensors)
-        return UpdatePlan(WeightSource.DISK, tensors, files, "", *common)
+        return UpdatePlan(WeightSource.DISK, tensors, files, "", *common, stage_only=request.stage_only)
 
     def distributed(self, request: pb2.UpdateWeightsFromDistributedRequest) -> UpdatePlan:
         common = self._common(request, "")
@@ -179,14 +183,20 @@ class UpdateValidator:
                 f"{request.bucket_bytes}; at most {MAX_BUCKET_BYTES} (4 GiB)",
             )
         return UpdatePlan(
-            WeightSource.DISTRIBUTED, tensors, [], request.group_name, *common, bucket_bytes=request.bucket_bytes
+            WeightSource.DISTRIBUTED,
+            tensors,
+            [],
+            request.group_name,
+            *common,
+            bucket_bytes=request.bucket_bytes,
+            stage_only=request.stage_only,
         )
 
     def tensors(self, header: pb2.TensorStreamHeader) -> UpdatePlan:
         common = self._common(header, "header.")
         tensors = self.specs_from_proto(header.tensors, "header.tensors")
         self.check_tensors(tensors, "header.tensors")
-        return UpdatePlan(WeightSource.TENSORS, tensors, [], "", *common)
+        return UpdatePlan(WeightSource.TENSORS, tensors, [], "", *common, stage_only=header.stage_only)
 
     def ipc(self, request: pb2.UpdateWeightsFromIpcRequest, num_workers: int) -> UpdatePlan:
         """The trainer's host first (a trainer elsewhere is told so whatever else it sent),
@@ -197,6 +207,25 @@ class UpdateValidator:
         self.check_tensors(tensors)
         handles = ipc_handles(tensors, request.handles, num_workers)
         return UpdatePlan(WeightSource.IPC, tensors, [], "", *common, handles=handles)
+
+    def commit(self, request: pb2.CommitStagedWeightsRequest, staged: UpdatePlan, token: str) -> UpdatePlan:
+        """The update CommitStagedWeights runs: the tensors `staged` holds (under the workers'
+        `token`), loaded from memory, with the commit's own version (else the stage's), etag,
+        request id, pause mode, cache reset and timeout."""
+        version, etag, request_id, mode, reset_cache, timeout = self._common(request, "")
+        return UpdatePlan(
+            staged.source,
+            staged.tensors,
+            [],
+            "",
+            version if request.HasField("weight_version") else staged.version,
+            etag,
+            request_id,
+            mode,
+            reset_cache,
+            timeout,
+            stage_token=token,
+        )
 
     def _common(self, request: UpdateRequest, prefix: str) -> tuple[str | None, str, str, str, bool, float]:
         """The fields every update has, checked: (version, etag, request_id, pause mode,
@@ -214,4 +243,5 @@ UpdateRequest = (
     | pb2.UpdateWeightsFromDistributedRequest
     | pb2.TensorStreamHeader
     | pb2.UpdateWeightsFromIpcRequest
+    | pb2.CommitStagedWeightsRequest
 )

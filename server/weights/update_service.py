@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,7 @@ from enginectl.server.interceptors import caller_authenticated
 from enginectl.server.limits import MAX_CHUNK_BYTES
 from enginectl.server.weights.channels import UpdateChannels
 from enginectl.server.weights.operations import UpdateOperation
+from enginectl.server.weights.staging import DEFAULT_TTL_S
 from enginectl.server.weights.updates import WeightUpdates
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
@@ -40,6 +42,36 @@ def add_weight_update_args(group: argparse._ArgumentGroup) -> None:
         "checked, symlinks resolved. Default: the directory holding the served model.",
     )
 
+    group.add_argument(
+        "--max-staged-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="Largest set a stage_only update may hold, per worker (default: the served model's "
+        "size). A bigger stage is refused with RESOURCE_EXHAUSTED before anything is received.",
+    )
+    group.add_argument(
+        "--staged-weights-ttl",
+        type=float,
+        default=DEFAULT_TTL_S,
+        metavar="SECONDS",
+        help=f"A staged set not committed or discarded within this long is dropped (default {DEFAULT_TTL_S:.0f}).",
+    )
+
+
+@dataclass(frozen=True)
+class StagingLimits:
+    max_bytes: int | None  # None: the served model's size
+    ttl: float
+
+
+def staging_limits(args: argparse.Namespace) -> StagingLimits:
+    if args.max_staged_bytes is not None and args.max_staged_bytes < 0:
+        raise SystemExit("enginectl serve: --max-staged-bytes must be >= 0")
+    if args.staged_weights_ttl <= 0:
+        raise SystemExit("enginectl serve: --staged-weights-ttl must be > 0")
+    return StagingLimits(args.max_staged_bytes, args.staged_weights_ttl)
+
 
 def configure_engine_args(args: argparse.Namespace) -> None:
     """Before the engine starts: every worker gets enginectl's weight extension."""
@@ -55,7 +87,8 @@ def allowed_roots(args: argparse.Namespace, model: str) -> list[Path]:
 
 
 class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
-    """Pause/resume, the four updates (returning Operations), groups, GetServerInfo."""
+    """Pause/resume, the four updates and commits (returning Operations), discards, groups,
+    GetServerInfo."""
 
     def __init__(self, info: pb2.GetServerInfoResponse, updates: WeightUpdates | None = None) -> None:
         self._info = info
@@ -124,6 +157,21 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
         updates = self.updates
         op, _ = await updates.start(updates.plans.ipc(request, self._info.num_workers))
         return op.proto()
+
+    async def CommitStagedWeights(
+        self, request: pb2.CommitStagedWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> operations_pb2.Operation:
+        updates = self.updates
+        retried = updates.retried_commit(request)
+        if retried is not None:
+            return retried.proto()
+        op, _ = await updates.start(updates.plan_commit(request))
+        return op.proto()
+
+    async def DiscardStagedWeights(
+        self, request: pb2.DiscardStagedWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.DiscardStagedWeightsResponse:
+        return await self.updates.discard(request)
 
     async def UpdateWeightsFromTensors(
         self, request_iterator: AsyncIterator[pb2.UpdateWeightsFromTensorsRequest], context: grpc.aio.ServicerContext

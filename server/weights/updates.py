@@ -48,6 +48,7 @@ from enginectl.server.weights.ledger import Failure, Fingerprint, VersionState, 
 from enginectl.server.weights.operations import OperationStore, UpdateOperation
 from enginectl.server.weights.outcome import UpdateFailed, UpdatePause, success_response
 from enginectl.server.weights.plans import UpdatePlan, UpdateValidator
+from enginectl.server.weights.staging import DEFAULT_TTL_S, STAGED_PREFIX, StagedSet, Staging, StagingEngine
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_pb2 as wv_pb2
 from enginectl.weights.v1 import weight_version_service_pb2 as wvs_pb2
@@ -69,7 +70,7 @@ WORKER_SOURCE = {
 Feed = Callable[[UpdateChannels, UpdateOperation], Awaitable[None]]
 
 
-class UpdateEngine(PauseEngine, GroupEngine, FingerprintEngine, Protocol):
+class UpdateEngine(PauseEngine, GroupEngine, FingerprintEngine, StagingEngine, Protocol):
     """What weight updates need of the engine (server/engine.py EngineAdapter, or the
     in-memory double of tests/engine_double.py)."""
 
@@ -100,6 +101,9 @@ class WeightUpdates:
         expected: dict[str, TensorInfo],
         on_finished: Callable[[str, str, int, float], None] | None = None,
         on_pause: Callable[[str | None], None] | None = None,
+        max_staged_bytes: int | None = None,
+        staged_ttl: float = DEFAULT_TTL_S,
+        on_staged_bytes: Callable[[int], None] | None = None,
     ) -> None:
         self._engine = engine
         self._ledger = ledger
@@ -116,6 +120,17 @@ class WeightUpdates:
             ledger, self.groups, allowed_roots=allowed_roots, expected=expected, served_dtype=engine.info.dtype
         )
         self.fingerprints = WeightFingerprints(engine)
+        model_bytes = sum(t.nbytes for t in expected.values())
+        self.staging = Staging(
+            engine,
+            ledger,
+            self._ctx,
+            self._dir,
+            self._ranks,
+            max_bytes=max_staged_bytes if max_staged_bytes is not None else model_bytes,
+            ttl=staged_ttl,
+            on_bytes=on_staged_bytes,
+        )
         self._plans: dict[str, tuple[tuple[object, ...], UpdateOperation]] = {}  # by request_id
 
     @property
@@ -141,7 +156,10 @@ class WeightUpdates:
         return await self.generation.resume(request)
 
     async def generation_state(self) -> pb2.GenerationState:
-        return await self.generation.state()
+        state = await self.generation.state()
+        if self.staging.current is not None:
+            state.staged.CopyFrom(self.staging.current.proto())
+        return state
 
     async def init_group(self, request: pb2.InitWeightsUpdateGroupRequest) -> pb2.WeightsUpdateGroup:
         return await self.groups.init(request)
@@ -160,6 +178,29 @@ class WeightUpdates:
 
     def plan_tensors(self, header: pb2.TensorStreamHeader) -> UpdatePlan:
         return self.plans.tensors(header)
+
+    def retried_commit(self, request: pb2.CommitStagedWeightsRequest) -> UpdateOperation | None:
+        """A commit retried with its request_id: the first one's Operation (its set may be
+        consumed by now); REQUEST_ID_REUSED when that key named another update."""
+        known = self._plans.get(request.request_id) if request.request_id else None
+        if known is None:
+            return None
+        if known[0][-1] != request.name.removeprefix(STAGED_PREFIX):  # the key ends with the stage token
+            raise invalid_field(Reason.REQUEST_ID_REUSED, "request_id", "already used by a different update")
+        return known[1]
+
+    def plan_commit(self, request: pb2.CommitStagedWeightsRequest) -> UpdatePlan:
+        staged = self.staging.find(request.name)
+        return self.plans.commit(request, staged.plan, staged.token)
+
+    async def discard(self, request: pb2.DiscardStagedWeightsRequest) -> pb2.DiscardStagedWeightsResponse:
+        def cancel(name: str) -> None:
+            op = self._store.find(name)
+            if op is not None:
+                op.cancel()
+
+        found, freed = await self.staging.discard(request.name, request.allow_missing, cancel)
+        return pb2.DiscardStagedWeightsResponse(found=found, bytes_freed=freed)
 
     def abort(self, op: UpdateOperation, cause: Cause, message: str) -> None:
         """Stop a running update (its workers see an abort frame)."""
@@ -213,6 +254,9 @@ class WeightUpdates:
                 return known[1], False
         if self.generation.updating():
             raise self.generation.in_progress("one update runs at a time")
+        self.staging.check_idle()
+        if plan.stage_only:
+            self.staging.check(plan)
         if plan.group:
             self.groups.in_use.add(plan.group)
         op_id = plan.request_id or str(uuid.uuid4())
@@ -234,6 +278,10 @@ class WeightUpdates:
             self._plans[plan.request_id] = (plan.key(), op)
         # A retry is answered while its Operation is still kept: forget the evicted ones.
         self._plans = {rid: known for rid, known in self._plans.items() if self._store.find(known[1].name) is known[1]}
+        if plan.stage_only:  # no pause, no ledger lock: generation and declarations go on
+            staged = self.staging.reserve(plan, op)
+            asyncio.ensure_future(self._stage(staged, op, plan, feed))
+            return op, True
         self.generation.active = op  # from here on, another update is refused
         lock = self._ledger.writing()
         try:
@@ -257,6 +305,13 @@ class WeightUpdates:
         )
         asyncio.ensure_future(self._run(op, op_id, plan, feed, lock))
         return op, True
+
+    async def _stage(self, staged: StagedSet, op: UpdateOperation, plan: UpdatePlan, feed: Feed | None) -> None:
+        log.info("weight stage started", operation=op.name, source=plan.source.value, tensors=len(plan.tensors))
+        try:
+            await self.staging.run(staged, op, feed, time.monotonic())
+        finally:
+            self.groups.in_use.discard(plan.group)
 
     def _phase(self, op: UpdateOperation, phase: pb2.UpdatePhase.ValueType) -> None:
         op.metadata.phase = phase
@@ -305,7 +360,7 @@ class WeightUpdates:
             marks.append(("finish", time.monotonic()))
             lock.release()
             holding = False
-            gen.partial = False
+            await gen.set_partial(False)
             if resumed:
                 gen.resumed()
                 if not gen.utilities:
@@ -315,6 +370,8 @@ class WeightUpdates:
                     resumed = False
             self._phase(op, pb2.UPDATE_PHASE_DONE)
             self._succeeded(op, plan, state, results, started, pause, resumed, marks)
+            if plan.stage_token:  # the staged set is consumed (its buffer kept for the next)
+                await self.staging.committed(plan.stage_token)
         except UpdateFailed as failure:
             await self._fail(op, plan, failure, pause.resumes)
         except ControlPlaneError as exc:
@@ -420,7 +477,7 @@ class WeightUpdates:
         self._phase(op, pb2.UPDATE_PHASE_FAILED)
         op.metadata.weights_modified = failure.modified
         if failure.modified:
-            gen.partial = True
+            await gen.set_partial(True)
             self._ledger.record_failure(
                 Failure(  # the write lock is still held (see _run)
                     reason=Reason.PARTIAL_UPDATE,
@@ -470,7 +527,7 @@ class WeightUpdates:
         self, op: UpdateOperation, plan: UpdatePlan, channels: UpdateChannels, deadline: float, feed: Feed | None
     ) -> list[LoadResult]:
         worker_plan = LoadPlan(
-            source=WORKER_SOURCE[plan.source],
+            source=Source.STAGED if plan.stage_token else WORKER_SOURCE[plan.source],
             files=tuple(str(f) for f in plan.files),
             tensors=plan.specs(),
             group=plan.group,
@@ -479,6 +536,7 @@ class WeightUpdates:
             deadline=deadline,
             bucket_bytes=plan.bucket_bytes,
             handles=plan.handles,
+            stage_token=plan.stage_token,
         )
         load = asyncio.ensure_future(self._engine.load(worker_plan, timeout=plan.timeout + RPC_GRACE_S))
         progress = asyncio.ensure_future(op.follow_progress(channels.next_progress, self._ranks))

@@ -36,6 +36,7 @@ from enginectl.worker.weights.fingerprints import FingerprintMixin, weight_acces
 from enginectl.worker.weights.groups import GroupsMixin, typed_view
 from enginectl.worker.weights.ipc import IpcTensors
 from enginectl.worker.weights.ranks import dp_rank, global_rank
+from enginectl.worker.weights.staging import StagingMixin, disk_tensors
 
 
 @dataclass
@@ -46,7 +47,7 @@ class _LoadState:
     error: LoadError | None = None
 
 
-class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin):
+class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin):
     """Mixed into vLLM's worker class (`--worker-extension-cls`); see the module docstring."""
 
     def enginectl_load(self, plan_wire: Any) -> Any:
@@ -62,7 +63,9 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin):
         mapped: IpcTensors | None = None
         try:
             if plan.source == Source.DISK:
-                tensors = _disk_tensors(plan)
+                tensors = disk_tensors(plan)
+            elif plan.source == Source.STAGED:  # a commit: from memory staged earlier
+                tensors = self._enginectl_staged_tensors(plan)
             elif plan.source == Source.TENSORS:
                 tensors = self._enginectl_stream_tensors(plan, channel)
             elif plan.source == Source.IPC:
@@ -94,6 +97,8 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin):
             except Exception as exc:  # noqa: BLE001 - reported as this worker's failure
                 state.error = state.error or LoadError(Cause.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
                 _finalize_after_failure(self)
+            if plan.source == Source.STAGED:
+                self._enginectl_after_commit()
         except Abort as exc:  # the source refused before loading began (an IPC handle)
             state.error = state.error or LoadError(exc.cause, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported as this worker's failure
@@ -137,15 +142,6 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin):
 # Every worker RPC of the contract is a method here (vLLM's collective_rpc calls it by name).
 _missing = [rpc.value for rpc in WorkerRpc if not callable(getattr(EnginectlWorkerExtension, rpc.value, None))]
 assert not _missing, f"worker RPCs without a method: {_missing}"
-
-
-def _disk_tensors(plan: LoadPlan) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for file in plan.files:
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
 
 
 def _nbytes(spec: TensorSpec) -> int:

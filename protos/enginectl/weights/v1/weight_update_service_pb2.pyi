@@ -53,6 +53,17 @@ UpdateWeightsFromTensors, UpdateWeightsFromIpc) share these rules:
     ResumeGeneration(force=true).
  7. Every data-parallel rank is updated (and through vLLM's collective_rpc every tensor-
     parallel worker); results are reported per dp_rank.
+ 8. Two phases (`stage_only`, on disk, distributed and tensor updates). A staged update is
+    validated exactly as above, then received into a staging area in each worker's host
+    memory while generation goes on: no pause, no cache reset, the version and etag
+    untouched. Its Operation ends in phase STAGED with `UpdateWeightsResponse.staged`
+    (name, size, a digest of the staged bytes, expiry). CommitStagedWeights then applies
+    it under a short pause (only the in-memory load, the cache reset and the version), with
+    rules 3 to 6 as any update; DiscardStagedWeights drops it. At most one staged set
+    exists per server (another stage: FAILED_PRECONDITION STAGED_WEIGHTS_EXIST); it
+    expires after ServerInfo.staging.ttl and may hold at most
+    ServerInfo.staging.max_staged_bytes (beyond: RESOURCE_EXHAUSTED STAGING_LIMIT_EXCEEDED,
+    before anything is received). A stage is an update for rule "one at a time".
 Only one update runs at a time: another one gets ABORTED UPDATE_IN_PROGRESS (ErrorInfo
 .metadata["operation"] names the running one). A SetWeightVersion that arrives meanwhile
 waits for the update to end, then applies.
@@ -269,6 +280,10 @@ class _UpdatePhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_UpdatePha
     """Succeeded: Operation.response is set."""
     UPDATE_PHASE_FAILED: _UpdatePhase.ValueType  # 9
     """Failed: Operation.error is set."""
+    UPDATE_PHASE_STAGED: _UpdatePhase.ValueType  # 10
+    """A stage_only update ended holding its staged set: Operation.response is set, with
+    `staged`. Nothing in the model changed.
+    """
 
 class UpdatePhase(_UpdatePhase, metaclass=_UpdatePhaseEnumTypeWrapper):
     """Where a weight update is. Disk and IPC updates go VALIDATING, PAUSING, LOADING, ...;
@@ -302,6 +317,10 @@ UPDATE_PHASE_DONE: UpdatePhase.ValueType  # 8
 """Succeeded: Operation.response is set."""
 UPDATE_PHASE_FAILED: UpdatePhase.ValueType  # 9
 """Failed: Operation.error is set."""
+UPDATE_PHASE_STAGED: UpdatePhase.ValueType  # 10
+"""A stage_only update ended holding its staged set: Operation.response is set, with
+`staged`. Nothing in the model changed.
+"""
 Global___UpdatePhase: _TypeAlias = UpdatePhase  # noqa: Y015
 
 class _UpdateBackend:
@@ -534,6 +553,7 @@ class GenerationState(_message.Message):
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
     UPDATE_OPERATION_FIELD_NUMBER: _builtins.int
+    STAGED_FIELD_NUMBER: _builtins.int
     paused: _builtins.bool
     """True when generation is paused (on any rank; ranks disagreeing is a bug reported here as
     paused, with the detail in `ranks`).
@@ -560,6 +580,10 @@ class GenerationState(_message.Message):
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankGenerationState]:
         """One entry per data-parallel rank, in dp_rank order."""
 
+    @_builtins.property
+    def staged(self) -> Global___StagedWeights:
+        """The staged set waiting for CommitStagedWeights; unset when none (see rule 8)."""
+
     def __init__(
         self,
         *,
@@ -571,10 +595,11 @@ class GenerationState(_message.Message):
         num_waiting_requests: _builtins.int = ...,
         ranks: _abc.Iterable[Global___RankGenerationState] | None = ...,
         update_operation: _builtins.str = ...,
+        staged: Global___StagedWeights | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["pause_time", b"pause_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pause_time", b"pause_time", "staged", b"staged"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "num_running_requests", b"num_running_requests", "num_waiting_requests", b"num_waiting_requests", "pause_time", b"pause_time", "paused", b"paused", "ranks", b"ranks", "reason", b"reason", "update_operation", b"update_operation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "num_running_requests", b"num_running_requests", "num_waiting_requests", b"num_waiting_requests", "pause_time", b"pause_time", "paused", b"paused", "ranks", b"ranks", "reason", b"reason", "staged", b"staged", "update_operation", b"update_operation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -670,6 +695,7 @@ class UpdateWeightsFromDiskRequest(_message.Message):
     PAUSE_MODE_FIELD_NUMBER: _builtins.int
     RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    STAGE_ONLY_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """Required. Absolute path on the server of a `.safetensors` file, a directory holding
     `.safetensors` files (its `model.safetensors.index.json` is used when present), or a
@@ -701,6 +727,12 @@ class UpdateWeightsFromDiskRequest(_message.Message):
     their KV). Unset means true, as SGLang's `flush_cache`; false only when stale KV is
     acceptable.
     """
+    stage_only: _builtins.bool
+    """Stage instead of load (rule 8): read the files into the staging area while generation
+    goes on; CommitStagedWeights applies them. `weight_version` is then the version the
+    commit declares unless the commit names one; `pause_mode` and `reset_prefix_cache` are
+    the commit's.
+    """
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
         """Bound on the whole update, from acceptance to done (pausing, reading, loading). Unset:
@@ -718,10 +750,11 @@ class UpdateWeightsFromDiskRequest(_message.Message):
         pause_mode: Global___PauseMode.ValueType = ...,
         reset_prefix_cache: _builtins.bool | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        stage_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "reset_prefix_cache", b"reset_prefix_cache", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "etag", b"etag", "path", b"path", "pause_mode", b"pause_mode", "request_id", b"request_id", "reset_prefix_cache", b"reset_prefix_cache", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "etag", b"etag", "path", b"path", "pause_mode", b"pause_mode", "request_id", b"request_id", "reset_prefix_cache", b"reset_prefix_cache", "stage_only", b"stage_only", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__reset_prefix_cache: _TypeAlias = _typing.Literal["reset_prefix_cache"]  # noqa: Y015
     _WhichOneofArgType__reset_prefix_cache: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache"]  # noqa: Y015
@@ -940,6 +973,7 @@ class UpdateWeightsFromDistributedRequest(_message.Message):
     RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
     BUCKET_BYTES_FIELD_NUMBER: _builtins.int
+    STAGE_ONLY_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """Required. Group to receive through (InitWeightsUpdateGroup); NOT_FOUND GROUP_NOT_FOUND
     when there is none.
@@ -968,6 +1002,10 @@ class UpdateWeightsFromDistributedRequest(_message.Message):
     INVALID_ARGUMENT BUCKET_BYTES_INVALID. enginectl's TrainerClient buckets by default
     (4 MiB); the receive buffers are reused across updates.
     """
+    stage_only: _builtins.bool
+    """Stage instead of load (rule 8): receive the broadcast into the staging area while
+    generation goes on. As UpdateWeightsFromDiskRequest.stage_only.
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
         """Required, non-empty. The tensors the trainer broadcasts, in broadcast order. At most
@@ -994,10 +1032,11 @@ class UpdateWeightsFromDistributedRequest(_message.Message):
         reset_prefix_cache: _builtins.bool | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
         bucket_bytes: _builtins.int = ...,
+        stage_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "reset_prefix_cache", b"reset_prefix_cache", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "bucket_bytes", b"bucket_bytes", "etag", b"etag", "group_name", b"group_name", "pause_mode", b"pause_mode", "request_id", b"request_id", "reset_prefix_cache", b"reset_prefix_cache", "tensors", b"tensors", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "bucket_bytes", b"bucket_bytes", "etag", b"etag", "group_name", b"group_name", "pause_mode", b"pause_mode", "request_id", b"request_id", "reset_prefix_cache", b"reset_prefix_cache", "stage_only", b"stage_only", "tensors", b"tensors", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__reset_prefix_cache: _TypeAlias = _typing.Literal["reset_prefix_cache"]  # noqa: Y015
     _WhichOneofArgType__reset_prefix_cache: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache"]  # noqa: Y015
@@ -1055,6 +1094,7 @@ class TensorStreamHeader(_message.Message):
     PAUSE_MODE_FIELD_NUMBER: _builtins.int
     RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    STAGE_ONLY_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.str
     """The version to declare on success. As UpdateWeightsFromDiskRequest.weight_version."""
     etag: _builtins.str
@@ -1066,6 +1106,10 @@ class TensorStreamHeader(_message.Message):
     reset_prefix_cache: _builtins.bool
     """Reset the prefix cache after loading; unset means true. As
     UpdateWeightsFromDiskRequest.reset_prefix_cache.
+    """
+    stage_only: _builtins.bool
+    """Stage instead of load (rule 8): receive the chunks into the staging area while
+    generation goes on. As UpdateWeightsFromDiskRequest.stage_only.
     """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
@@ -1092,10 +1136,11 @@ class TensorStreamHeader(_message.Message):
         pause_mode: Global___PauseMode.ValueType = ...,
         reset_prefix_cache: _builtins.bool | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        stage_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "reset_prefix_cache", b"reset_prefix_cache", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "etag", b"etag", "pause_mode", b"pause_mode", "request_id", b"request_id", "reset_prefix_cache", b"reset_prefix_cache", "tensors", b"tensors", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "etag", b"etag", "pause_mode", b"pause_mode", "request_id", b"request_id", "reset_prefix_cache", b"reset_prefix_cache", "stage_only", b"stage_only", "tensors", b"tensors", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__reset_prefix_cache: _TypeAlias = _typing.Literal["reset_prefix_cache"]  # noqa: Y015
     _WhichOneofArgType__reset_prefix_cache: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache"]  # noqa: Y015
@@ -1551,6 +1596,7 @@ class UpdateWeightsResponse(_message.Message):
     GENERATION_RESUMED_FIELD_NUMBER: _builtins.int
     PAUSE_DURATION_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
+    STAGED_FIELD_NUMBER: _builtins.int
     num_paused_requests: _builtins.int
     """Requests held by the update's pause that continued afterwards (SGLang's
     `num_paused_requests`); 0 when the update did not pause generation.
@@ -1581,6 +1627,12 @@ class UpdateWeightsResponse(_message.Message):
     def duration(self) -> _duration_pb2.Duration:
         """Time from acceptance to done."""
 
+    @_builtins.property
+    def staged(self) -> Global___StagedWeights:
+        """A stage_only update: the staged set it left (weight_version is then the resource as it
+        was, unchanged). Unset for every other update.
+        """
+
     def __init__(
         self,
         *,
@@ -1592,14 +1644,215 @@ class UpdateWeightsResponse(_message.Message):
         generation_resumed: _builtins.bool = ...,
         pause_duration: _duration_pb2.Duration | None = ...,
         duration: _duration_pb2.Duration | None = ...,
+        staged: Global___StagedWeights | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "pause_duration", b"pause_duration", "weight_version", b"weight_version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "pause_duration", b"pause_duration", "staged", b"staged", "weight_version", b"weight_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "generation_resumed", b"generation_resumed", "num_aborted_requests", b"num_aborted_requests", "num_paused_requests", b"num_paused_requests", "pause_duration", b"pause_duration", "prefix_cache_reset", b"prefix_cache_reset", "ranks", b"ranks", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "generation_resumed", b"generation_resumed", "num_aborted_requests", b"num_aborted_requests", "num_paused_requests", b"num_paused_requests", "pause_duration", b"pause_duration", "prefix_cache_reset", b"prefix_cache_reset", "ranks", b"ranks", "staged", b"staged", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UpdateWeightsResponse: _TypeAlias = UpdateWeightsResponse  # noqa: Y015
+
+@_typing.final
+class StagedWeights(_message.Message):
+    """Weights received into the staging area and not applied yet (rule 8)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    OPERATION_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    STAGE_TIME_FIELD_NUMBER: _builtins.int
+    EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"staged/<id>": pass it to CommitStagedWeights or DiscardStagedWeights."""
+    operation: _builtins.str
+    """The stage's Operation ("operations/...")."""
+    source: _weight_version_pb2.WeightSource.ValueType
+    """How the bytes arrived: DISK, DISTRIBUTED or TENSORS (the source the commit records)."""
+    weight_version: _builtins.str
+    """The version the commit declares unless it names one; unset when the stage named none."""
+    tensors: _builtins.int
+    """Tensors and bytes staged (as sent or stored, before any cast)."""
+    bytes: _builtins.int
+    @_builtins.property
+    def fingerprint(self) -> _weight_version_pb2.WeightFingerprint:
+        """Digest of the staged bytes on every data-parallel rank (method "staged-crc32"): two
+        servers that staged the same tensors have the same digest.
+        """
+
+    @_builtins.property
+    def stage_time(self) -> _timestamp_pb2.Timestamp:
+        """When staging completed, and when the set is dropped unless committed or discarded."""
+
+    @_builtins.property
+    def expire_time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        operation: _builtins.str = ...,
+        source: _weight_version_pb2.WeightSource.ValueType = ...,
+        weight_version: _builtins.str | None = ...,
+        tensors: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        fingerprint: _weight_version_pb2.WeightFingerprint | None = ...,
+        stage_time: _timestamp_pb2.Timestamp | None = ...,
+        expire_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "expire_time", b"expire_time", "fingerprint", b"fingerprint", "stage_time", b"stage_time", "weight_version", b"weight_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "bytes", b"bytes", "expire_time", b"expire_time", "fingerprint", b"fingerprint", "name", b"name", "operation", b"operation", "source", b"source", "stage_time", b"stage_time", "tensors", b"tensors", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__weight_version: _TypeAlias = _typing.Literal["weight_version"]  # noqa: Y015
+    _WhichOneofArgType__weight_version: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__weight_version) -> _WhichOneofReturnType__weight_version | None: ...
+
+Global___StagedWeights: _TypeAlias = StagedWeights  # noqa: Y015
+
+@_typing.final
+class CommitStagedWeightsRequest(_message.Message):
+    """Request for CommitStagedWeights."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    ETAG_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PAUSE_MODE_FIELD_NUMBER: _builtins.int
+    RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Required. The staged set, "staged/<id>" (StagedWeights.name)."""
+    weight_version: _builtins.str
+    """The version to declare on success; unset: the one the stage named (if none, the
+    resource becomes undeclared, as rule 5). As UpdateWeightsFromDiskRequest.weight_version.
+    """
+    etag: _builtins.str
+    """Fencing: apply only if this is still the WeightVersion's etag (checked when accepted
+    and again after pausing, before any weight is written), else ABORTED ETAG_MISMATCH.
+    """
+    request_id: _builtins.str
+    """Idempotency key and Operation name. As UpdateWeightsFromDiskRequest.request_id."""
+    pause_mode: Global___PauseMode.ValueType
+    """How to pause generation (unset: KEEP; requests held continue under the new weights)."""
+    reset_prefix_cache: _builtins.bool
+    """Reset the prefix cache after loading; unset means true."""
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """Bound on the commit. As UpdateWeightsFromDiskRequest.timeout."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        weight_version: _builtins.str | None = ...,
+        etag: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        pause_mode: Global___PauseMode.ValueType = ...,
+        reset_prefix_cache: _builtins.bool | None = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "reset_prefix_cache", b"reset_prefix_cache", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "etag", b"etag", "name", b"name", "pause_mode", b"pause_mode", "request_id", b"request_id", "reset_prefix_cache", b"reset_prefix_cache", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__reset_prefix_cache: _TypeAlias = _typing.Literal["reset_prefix_cache"]  # noqa: Y015
+    _WhichOneofArgType__reset_prefix_cache: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache"]  # noqa: Y015
+    _WhichOneofReturnType__weight_version: _TypeAlias = _typing.Literal["weight_version"]  # noqa: Y015
+    _WhichOneofArgType__weight_version: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reset_prefix_cache) -> _WhichOneofReturnType__reset_prefix_cache | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__weight_version) -> _WhichOneofReturnType__weight_version | None: ...
+
+Global___CommitStagedWeightsRequest: _TypeAlias = CommitStagedWeightsRequest  # noqa: Y015
+
+@_typing.final
+class DiscardStagedWeightsRequest(_message.Message):
+    """Request for DiscardStagedWeights."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ALLOW_MISSING_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Required. The staged set, "staged/<id>"."""
+    allow_missing: _builtins.bool
+    """True: a missing set is not an error (found=false)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        allow_missing: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_missing", b"allow_missing", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DiscardStagedWeightsRequest: _TypeAlias = DiscardStagedWeightsRequest  # noqa: Y015
+
+@_typing.final
+class DiscardStagedWeightsResponse(_message.Message):
+    """Response for DiscardStagedWeights."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    BYTES_FREED_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    """False when there was no such set (allow_missing)."""
+    bytes_freed: _builtins.int
+    """Staging memory freed on every worker, in bytes."""
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+        bytes_freed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_freed", b"bytes_freed", "found", b"found"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DiscardStagedWeightsResponse: _TypeAlias = DiscardStagedWeightsResponse  # noqa: Y015
+
+@_typing.final
+class StagingInfo(_message.Message):
+    """Staging of two-phase updates on this server (rule 8)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_STAGED_BYTES_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    max_staged_bytes: _builtins.int
+    """Largest staged set, in bytes (`--max-staged-bytes`; default the served model's size)."""
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """How long a staged set is kept before it is dropped (`--staged-weights-ttl`)."""
+
+    def __init__(
+        self,
+        *,
+        max_staged_bytes: _builtins.int = ...,
+        ttl: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_staged_bytes", b"max_staged_bytes", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StagingInfo: _TypeAlias = StagingInfo  # noqa: Y015
 
 @_typing.final
 class RankUpdateResult(_message.Message):
@@ -1756,6 +2009,7 @@ class GetServerInfoResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
+    STAGING_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model as given to vLLM: a Hugging Face id or a path (for the embedded default
     model, the path of its cached copy).
@@ -1823,6 +2077,10 @@ class GetServerInfoResponse(_message.Message):
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """When this server started."""
 
+    @_builtins.property
+    def staging(self) -> Global___StagingInfo:
+        """Two-phase updates: their limits. The set staged now is in GetGenerationState."""
+
     def __init__(
         self,
         *,
@@ -1846,10 +2104,11 @@ class GetServerInfoResponse(_message.Message):
         limits: Global___ServerLimits | None = ...,
         incarnation: _builtins.str = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
+        staging: Global___StagingInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits", "start_time", b"start_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits", "staging", b"staging", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_weight_roots", b"allowed_weight_roots", "api_versions", b"api_versions", "auth_required", b"auth_required", "backends", b"backends", "data_parallel_size", b"data_parallel_size", "dtype", b"dtype", "enginectl_version", b"enginectl_version", "fingerprint_method", b"fingerprint_method", "full_fingerprint_method", b"full_fingerprint_method", "incarnation", b"incarnation", "limits", b"limits", "model", b"model", "num_workers", b"num_workers", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "served_model_names", b"served_model_names", "start_time", b"start_time", "supported_rpcs", b"supported_rpcs", "tensor_parallel_size", b"tensor_parallel_size", "vllm_version", b"vllm_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_weight_roots", b"allowed_weight_roots", "api_versions", b"api_versions", "auth_required", b"auth_required", "backends", b"backends", "data_parallel_size", b"data_parallel_size", "dtype", b"dtype", "enginectl_version", b"enginectl_version", "fingerprint_method", b"fingerprint_method", "full_fingerprint_method", b"full_fingerprint_method", "incarnation", b"incarnation", "limits", b"limits", "model", b"model", "num_workers", b"num_workers", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "served_model_names", b"served_model_names", "staging", b"staging", "start_time", b"start_time", "supported_rpcs", b"supported_rpcs", "tensor_parallel_size", b"tensor_parallel_size", "vllm_version", b"vllm_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

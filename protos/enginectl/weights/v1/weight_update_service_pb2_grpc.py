@@ -82,6 +82,16 @@ class WeightUpdateServiceStub:
                 request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsFromIpcRequest.SerializeToString,
                 response_deserializer=google_dot_longrunning_dot_operations__pb2.Operation.FromString,
                 _registered_method=True)
+        self.CommitStagedWeights = channel.unary_unary(
+                '/enginectl.weights.v1.WeightUpdateService/CommitStagedWeights',
+                request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.CommitStagedWeightsRequest.SerializeToString,
+                response_deserializer=google_dot_longrunning_dot_operations__pb2.Operation.FromString,
+                _registered_method=True)
+        self.DiscardStagedWeights = channel.unary_unary(
+                '/enginectl.weights.v1.WeightUpdateService/DiscardStagedWeights',
+                request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.DiscardStagedWeightsRequest.SerializeToString,
+                response_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.DiscardStagedWeightsResponse.FromString,
+                _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/enginectl.weights.v1.WeightUpdateService/GetServerInfo',
                 request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.GetServerInfoRequest.SerializeToString,
@@ -339,6 +349,43 @@ class WeightUpdateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitStagedWeights(self, request, context):
+        """Applies the staged set `name` (see rule 8): pauses generation (pause_mode, KEEP by
+        default) unless paused, loads the staged tensors from memory on every worker, resets the
+        prefix cache, records the version and resumes. Rules 2 to 7 hold as for any update; the
+        version's source is the one the set was staged from. With `etag`, the commit applies only
+        while the version is still the one the caller read (fencing). The staged set is consumed
+        by a successful commit and kept after a failed one (a PARTIAL_UPDATE can be repaired by
+        committing it again).
+
+        Errors returned by the RPC (nothing changed, no Operation):
+        INVALID_ARGUMENT  STAGED_NAME_INVALID       `name` is not "staged/<id>".
+        NOT_FOUND         STAGED_WEIGHTS_NOT_FOUND  no staged set of that name (never staged,
+        discarded, or already committed).
+        NOT_FOUND         STAGED_WEIGHTS_EXPIRED    the set outlived ServerInfo.staging.ttl and
+        was dropped.
+        FAILED_PRECONDITION STAGE_INCOMPLETE        its stage Operation is still receiving.
+        and the common update errors (VERSION_*, REQUEST_ID_*, PAUSE_MODE_INVALID,
+        TIMEOUT_INVALID, ETAG_MISMATCH, UPDATE_IN_PROGRESS).
+        Errors of the Operation: ABORTED ETAG_MISMATCH (the version moved since the caller read
+        it; nothing changed, the set is kept), and those of UpdateWeightsFromDisk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DiscardStagedWeights(self, request, context):
+        """Drops the staged set `name` and frees its memory on every worker. A stage still
+        receiving is cancelled (its Operation fails with UPDATE_CANCELLED).
+
+        Errors:
+        INVALID_ARGUMENT  STAGED_NAME_INVALID       `name` is not "staged/<id>".
+        NOT_FOUND         STAGED_WEIGHTS_NOT_FOUND  no such set, unless `allow_missing`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetServerInfo(self, request, context):
         """Describes this server: model, parallelism, update backends, auth, versions, limits and
         the RPCs it implements. Read-only; no engine round trip.
@@ -394,6 +441,16 @@ def add_WeightUpdateServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeightsFromIpc,
                     request_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsFromIpcRequest.FromString,
                     response_serializer=google_dot_longrunning_dot_operations__pb2.Operation.SerializeToString,
+            ),
+            'CommitStagedWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitStagedWeights,
+                    request_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.CommitStagedWeightsRequest.FromString,
+                    response_serializer=google_dot_longrunning_dot_operations__pb2.Operation.SerializeToString,
+            ),
+            'DiscardStagedWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.DiscardStagedWeights,
+                    request_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.DiscardStagedWeightsRequest.FromString,
+                    response_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.DiscardStagedWeightsResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
@@ -646,6 +703,60 @@ class WeightUpdateService:
             '/enginectl.weights.v1.WeightUpdateService/UpdateWeightsFromIpc',
             enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsFromIpcRequest.SerializeToString,
             google_dot_longrunning_dot_operations__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitStagedWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/enginectl.weights.v1.WeightUpdateService/CommitStagedWeights',
+            enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.CommitStagedWeightsRequest.SerializeToString,
+            google_dot_longrunning_dot_operations__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DiscardStagedWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/enginectl.weights.v1.WeightUpdateService/DiscardStagedWeights',
+            enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.DiscardStagedWeightsRequest.SerializeToString,
+            enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.DiscardStagedWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

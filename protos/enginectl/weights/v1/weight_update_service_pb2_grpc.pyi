@@ -53,6 +53,17 @@ UpdateWeightsFromTensors, UpdateWeightsFromIpc) share these rules:
     ResumeGeneration(force=true).
  7. Every data-parallel rank is updated (and through vLLM's collective_rpc every tensor-
     parallel worker); results are reported per dp_rank.
+ 8. Two phases (`stage_only`, on disk, distributed and tensor updates). A staged update is
+    validated exactly as above, then received into a staging area in each worker's host
+    memory while generation goes on: no pause, no cache reset, the version and etag
+    untouched. Its Operation ends in phase STAGED with `UpdateWeightsResponse.staged`
+    (name, size, a digest of the staged bytes, expiry). CommitStagedWeights then applies
+    it under a short pause (only the in-memory load, the cache reset and the version), with
+    rules 3 to 6 as any update; DiscardStagedWeights drops it. At most one staged set
+    exists per server (another stage: FAILED_PRECONDITION STAGED_WEIGHTS_EXIST); it
+    expires after ServerInfo.staging.ttl and may hold at most
+    ServerInfo.staging.max_staged_bytes (beyond: RESOURCE_EXHAUSTED STAGING_LIMIT_EXCEEDED,
+    before anything is received). A stage is an update for rule "one at a time".
 Only one update runs at a time: another one gets ABORTED UPDATE_IN_PROGRESS (ErrorInfo
 .metadata["operation"] names the running one). A SetWeightVersion that arrives meanwhile
 waits for the update to end, then applies.
@@ -304,6 +315,35 @@ class WeightUpdateServiceStub:
       DEADLINE_EXCEEDED UPDATE_TIMEOUT, CANCELLED UPDATE_CANCELLED, INTERNAL LOAD_FAILED,
       UNAVAILABLE ENGINE_DEAD, (any code) PARTIAL_UPDATE, as for UpdateWeightsFromDisk.
     """
+    CommitStagedWeights: _grpc.UnaryUnaryMultiCallable[_weight_update_service_pb2.CommitStagedWeightsRequest, _operations_pb2.Operation]
+    """Applies the staged set `name` (see rule 8): pauses generation (pause_mode, KEEP by
+    default) unless paused, loads the staged tensors from memory on every worker, resets the
+    prefix cache, records the version and resumes. Rules 2 to 7 hold as for any update; the
+    version's source is the one the set was staged from. With `etag`, the commit applies only
+    while the version is still the one the caller read (fencing). The staged set is consumed
+    by a successful commit and kept after a failed one (a PARTIAL_UPDATE can be repaired by
+    committing it again).
+
+    Errors returned by the RPC (nothing changed, no Operation):
+      INVALID_ARGUMENT  STAGED_NAME_INVALID       `name` is not "staged/<id>".
+      NOT_FOUND         STAGED_WEIGHTS_NOT_FOUND  no staged set of that name (never staged,
+                                                  discarded, or already committed).
+      NOT_FOUND         STAGED_WEIGHTS_EXPIRED    the set outlived ServerInfo.staging.ttl and
+                                                  was dropped.
+      FAILED_PRECONDITION STAGE_INCOMPLETE        its stage Operation is still receiving.
+      and the common update errors (VERSION_*, REQUEST_ID_*, PAUSE_MODE_INVALID,
+      TIMEOUT_INVALID, ETAG_MISMATCH, UPDATE_IN_PROGRESS).
+    Errors of the Operation: ABORTED ETAG_MISMATCH (the version moved since the caller read
+    it; nothing changed, the set is kept), and those of UpdateWeightsFromDisk.
+    """
+    DiscardStagedWeights: _grpc.UnaryUnaryMultiCallable[_weight_update_service_pb2.DiscardStagedWeightsRequest, _weight_update_service_pb2.DiscardStagedWeightsResponse]
+    """Drops the staged set `name` and frees its memory on every worker. A stage still
+    receiving is cancelled (its Operation fails with UPDATE_CANCELLED).
+
+    Errors:
+      INVALID_ARGUMENT  STAGED_NAME_INVALID       `name` is not "staged/<id>".
+      NOT_FOUND         STAGED_WEIGHTS_NOT_FOUND  no such set, unless `allow_missing`.
+    """
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_weight_update_service_pb2.GetServerInfoRequest, _weight_update_service_pb2.GetServerInfoResponse]
     """Describes this server: model, parallelism, update backends, auth, versions, limits and
     the RPCs it implements. Read-only; no engine round trip.
@@ -524,6 +564,35 @@ class WeightUpdateServiceAsyncStub(WeightUpdateServiceStub):
                                             never leaves the weights modified.
       DEADLINE_EXCEEDED UPDATE_TIMEOUT, CANCELLED UPDATE_CANCELLED, INTERNAL LOAD_FAILED,
       UNAVAILABLE ENGINE_DEAD, (any code) PARTIAL_UPDATE, as for UpdateWeightsFromDisk.
+    """
+    CommitStagedWeights: _aio.UnaryUnaryMultiCallable[_weight_update_service_pb2.CommitStagedWeightsRequest, _operations_pb2.Operation]  # type: ignore[assignment]
+    """Applies the staged set `name` (see rule 8): pauses generation (pause_mode, KEEP by
+    default) unless paused, loads the staged tensors from memory on every worker, resets the
+    prefix cache, records the version and resumes. Rules 2 to 7 hold as for any update; the
+    version's source is the one the set was staged from. With `etag`, the commit applies only
+    while the version is still the one the caller read (fencing). The staged set is consumed
+    by a successful commit and kept after a failed one (a PARTIAL_UPDATE can be repaired by
+    committing it again).
+
+    Errors returned by the RPC (nothing changed, no Operation):
+      INVALID_ARGUMENT  STAGED_NAME_INVALID       `name` is not "staged/<id>".
+      NOT_FOUND         STAGED_WEIGHTS_NOT_FOUND  no staged set of that name (never staged,
+                                                  discarded, or already committed).
+      NOT_FOUND         STAGED_WEIGHTS_EXPIRED    the set outlived ServerInfo.staging.ttl and
+                                                  was dropped.
+      FAILED_PRECONDITION STAGE_INCOMPLETE        its stage Operation is still receiving.
+      and the common update errors (VERSION_*, REQUEST_ID_*, PAUSE_MODE_INVALID,
+      TIMEOUT_INVALID, ETAG_MISMATCH, UPDATE_IN_PROGRESS).
+    Errors of the Operation: ABORTED ETAG_MISMATCH (the version moved since the caller read
+    it; nothing changed, the set is kept), and those of UpdateWeightsFromDisk.
+    """
+    DiscardStagedWeights: _aio.UnaryUnaryMultiCallable[_weight_update_service_pb2.DiscardStagedWeightsRequest, _weight_update_service_pb2.DiscardStagedWeightsResponse]  # type: ignore[assignment]
+    """Drops the staged set `name` and frees its memory on every worker. A stage still
+    receiving is cancelled (its Operation fails with UPDATE_CANCELLED).
+
+    Errors:
+      INVALID_ARGUMENT  STAGED_NAME_INVALID       `name` is not "staged/<id>".
+      NOT_FOUND         STAGED_WEIGHTS_NOT_FOUND  no such set, unless `allow_missing`.
     """
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_weight_update_service_pb2.GetServerInfoRequest, _weight_update_service_pb2.GetServerInfoResponse]  # type: ignore[assignment]
     """Describes this server: model, parallelism, update backends, auth, versions, limits and
@@ -796,6 +865,47 @@ class WeightUpdateServiceServicer(metaclass=_abc_1.ABCMeta):
                                                 never leaves the weights modified.
           DEADLINE_EXCEEDED UPDATE_TIMEOUT, CANCELLED UPDATE_CANCELLED, INTERNAL LOAD_FAILED,
           UNAVAILABLE ENGINE_DEAD, (any code) PARTIAL_UPDATE, as for UpdateWeightsFromDisk.
+        """
+
+    @_abc_1.abstractmethod
+    def CommitStagedWeights(
+        self,
+        request: _weight_update_service_pb2.CommitStagedWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_operations_pb2.Operation, _abc.Awaitable[_operations_pb2.Operation]]:
+        """Applies the staged set `name` (see rule 8): pauses generation (pause_mode, KEEP by
+        default) unless paused, loads the staged tensors from memory on every worker, resets the
+        prefix cache, records the version and resumes. Rules 2 to 7 hold as for any update; the
+        version's source is the one the set was staged from. With `etag`, the commit applies only
+        while the version is still the one the caller read (fencing). The staged set is consumed
+        by a successful commit and kept after a failed one (a PARTIAL_UPDATE can be repaired by
+        committing it again).
+
+        Errors returned by the RPC (nothing changed, no Operation):
+          INVALID_ARGUMENT  STAGED_NAME_INVALID       `name` is not "staged/<id>".
+          NOT_FOUND         STAGED_WEIGHTS_NOT_FOUND  no staged set of that name (never staged,
+                                                      discarded, or already committed).
+          NOT_FOUND         STAGED_WEIGHTS_EXPIRED    the set outlived ServerInfo.staging.ttl and
+                                                      was dropped.
+          FAILED_PRECONDITION STAGE_INCOMPLETE        its stage Operation is still receiving.
+          and the common update errors (VERSION_*, REQUEST_ID_*, PAUSE_MODE_INVALID,
+          TIMEOUT_INVALID, ETAG_MISMATCH, UPDATE_IN_PROGRESS).
+        Errors of the Operation: ABORTED ETAG_MISMATCH (the version moved since the caller read
+        it; nothing changed, the set is kept), and those of UpdateWeightsFromDisk.
+        """
+
+    @_abc_1.abstractmethod
+    def DiscardStagedWeights(
+        self,
+        request: _weight_update_service_pb2.DiscardStagedWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weight_update_service_pb2.DiscardStagedWeightsResponse, _abc.Awaitable[_weight_update_service_pb2.DiscardStagedWeightsResponse]]:
+        """Drops the staged set `name` and frees its memory on every worker. A stage still
+        receiving is cancelled (its Operation fails with UPDATE_CANCELLED).
+
+        Errors:
+          INVALID_ARGUMENT  STAGED_NAME_INVALID       `name` is not "staged/<id>".
+          NOT_FOUND         STAGED_WEIGHTS_NOT_FOUND  no such set, unless `allow_missing`.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,155 @@
+"""Two-phase updates for the trainer client: stage while the engine generates, commit in
+one short pause, or discard (docs/weights.md, "Two-phase updates").
+
+Runs in the trainer process. `AsyncStagingMixin` is part of AsyncTrainerClient
+(client/trainer.py), whose RPC helpers it uses; TrainerClient has the same methods blocking.
+
+    with TrainerClient("127.0.0.1:50051") as t:
+        staged = t.stage_weights_from_disk("/ckpt/step-42", "step-42")  # generation goes on
+        t.commit_staged_weights(staged.name, etag=etag_read_before)     # a short pause
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from enginectl.client.trainer_operations import AsyncOperationsClient
+from enginectl.client.trainer_requests import UpdateOptions
+from enginectl.client.trainer_tensors import TensorSource
+from enginectl.client.trainer_types import StagedWeights, UpdateOperation, UpdateResult
+from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+if TYPE_CHECKING:
+    from enginectl.client.trainer_broadcast import AsyncBroadcast
+    from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
+
+DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+
+
+def _staged(result: UpdateResult) -> StagedWeights:
+    if result.staged is None:  # a server that ignored stage_only (older than this client)
+        raise RuntimeError(f"{result.operation} loaded the weights instead of staging them: the server is too old")
+    return result.staged
+
+
+class AsyncStagingMixin(AsyncOperationsClient):
+    """stage_* / commit / discard methods of AsyncTrainerClient (which defines what is
+    declared here)."""
+
+    if TYPE_CHECKING:
+        _updates: pb2_grpc.WeightUpdateServiceStub
+
+        async def _stream_tensors(
+            self, tensors: TensorSource, options: UpdateOptions, chunk_bytes: int
+        ) -> UpdateOperation: ...
+
+        async def start_broadcast(
+            self,
+            tensors: TensorSource,
+            version: str | None = None,
+            *,
+            group_name: str = ...,
+            etag: str | None = None,
+            request_id: str | None = None,
+            pause_mode: str = "keep",
+            reset_prefix_cache: bool = True,
+            timeout: float | None = None,
+            progress: bool = False,
+            bucket_bytes: int = ...,
+            stage_only: bool = False,
+        ) -> AsyncBroadcast: ...
+
+    async def stage_weights_from_disk(
+        self,
+        path: str,
+        version: str | None = None,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        progress: bool = False,
+    ) -> StagedWeights:
+        """Read safetensors at `path` (on the server) into its staging area while it keeps
+        generating; nothing it serves changes. `version` is what the commit declares unless
+        the commit names one. Returns the staged set (raises the stage's error)."""
+        options = UpdateOptions(version, None, request_id, "keep", True, timeout, stage_only=True)
+        request = options.fill(pb2.UpdateWeightsFromDiskRequest(path=str(path)))
+        op = UpdateOperation.from_proto(await self._unary(self._updates.UpdateWeightsFromDisk, request, None))
+        return _staged(await self._finish(op, options, progress, True))  # type: ignore[arg-type]
+
+    async def stage_weights_from_tensors(
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        progress: bool = False,
+    ) -> StagedWeights:
+        """Stream `tensors` (as update_weights_from_tensors) into the server's staging area
+        while it keeps generating. Returns the staged set."""
+        options = UpdateOptions(version, None, request_id, "keep", True, timeout, stage_only=True)
+        op = await self._stream_tensors(tensors, options, chunk_bytes)
+        return _staged(await self._finish(op, options, progress, True))  # type: ignore[arg-type]
+
+    async def stage_broadcast_weights(
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        group_name: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        progress: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> StagedWeights:
+        """Broadcast `tensors` through the group (init_weights_update_group first) into the
+        server's staging area while it keeps generating. Returns the staged set."""
+        from enginectl.client.trainer import DEFAULT_GROUP
+
+        broadcast = await self.start_broadcast(
+            tensors,
+            version,
+            group_name=group_name or DEFAULT_GROUP,
+            request_id=request_id,
+            timeout=timeout,
+            progress=progress,
+            bucket_bytes=bucket_bytes,
+            stage_only=True,
+        )
+        await broadcast.send()
+        return _staged(await broadcast.wait())
+
+    async def commit_staged_weights(
+        self,
+        name: str,
+        version: str | None = None,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        progress: bool = False,
+        wait: bool = True,
+    ) -> UpdateResult | UpdateOperation:
+        """Apply the staged set `name` under one short pause and declare `version` (None: the
+        version the stage named). With `etag`, only while the server still serves the version
+        you read (else AbortedError ETAG_MISMATCH, nothing changed, the set kept). Returns
+        the UpdateResult (`wait=False`: the running UpdateOperation)."""
+        options = UpdateOptions(version, etag, request_id, pause_mode, reset_prefix_cache, timeout)
+        request = options.fill(pb2.CommitStagedWeightsRequest(name=name))
+        if version is None:
+            request.ClearField("weight_version")
+        op = UpdateOperation.from_proto(await self._unary(self._updates.CommitStagedWeights, request, None))
+        return await self._finish(op, options, progress, wait)
+
+    async def discard_staged_weights(
+        self, name: str, *, allow_missing: bool = False, timeout: float | None = None
+    ) -> int:
+        """Drop the staged set `name` (a stage still receiving is cancelled); the bytes freed
+        on the server's workers (0 when it had no such set and `allow_missing`)."""
+        request = pb2.DiscardStagedWeightsRequest(name=name, allow_missing=allow_missing)
+        response = await self._unary(self._updates.DiscardStagedWeights, request, timeout)
+        return int(response.bytes_freed)

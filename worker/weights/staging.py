@@ -1,0 +1,284 @@
+"""Two-phase updates inside a vLLM worker: stage while generation goes on, load from memory
+at commit.
+
+Runs inside every vLLM worker process, mixed into EnginectlWorkerExtension. Threads (the rule
+of worker/weights/fingerprints.py, "who may touch the weights"):
+- STAGE runs on the worker's RPC thread only long enough to lay out the staging buffer and
+  start one **staging thread**, then answers: generation goes on at once.
+- The staging thread receives the update's bytes (disk files, tensor-stream chunks or a
+  broadcast) into the staging buffer, then digests them. It never touches the model: only
+  that buffer, the update's ZMQ channel (handed over to it, used by no other thread) and,
+  for a broadcast, the group's receive thread.
+- The commit is an ordinary LOAD of Source.STAGED on the RPC thread: `reload_weights` over
+  views of the staging buffer, under the weight guard, as every load.
+
+The staging buffer holds the tensors' bytes back to back in plan order (the tensor stream's
+own layout, so its chunks land in place), and is kept for the next stage: fresh pages fill
+about 7x slower than reused ones on a busy host (docs/weights.md, "Two-phase updates").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from enginectl.common import dtypes
+from enginectl.contract import frames
+from enginectl.contract.engine import (
+    Cause,
+    LoadError,
+    LoadPlan,
+    Source,
+    StageAck,
+    StageResult,
+    TensorSpec,
+    read,
+    wire,
+)
+from enginectl.worker.weights.channel import Abort, Channel
+from enginectl.worker.weights.groups import typed_view
+from enginectl.worker.weights.ranks import dp_rank
+
+STAGED_SEND_TIMEOUT_MS = 10_000  # the `staged` report waits this long for a slow server
+
+
+@dataclass
+class _Staged:
+    """One staged set on this worker."""
+
+    token: str
+    source: Source
+    specs: tuple[TensorSpec, ...]
+    offsets: list[int]
+    buffer: torch.Tensor  # uint8, exactly the set's bytes
+    stop: threading.Event = field(default_factory=threading.Event)
+    result: StageResult | None = None  # set by the staging thread when it ends
+
+
+@dataclass
+class _StagingState:
+    current: _Staged | None = None
+    buffer: torch.Tensor | None = None  # kept for reuse across stages
+
+
+class StagingMixin:
+    """Worker RPCs of two-phase updates (see the module docstring)."""
+
+    def _enginectl_staging(self) -> _StagingState:
+        state: _StagingState | None = getattr(self, "_enginectl_staging_state", None)
+        if state is None:
+            state = self._enginectl_staging_state = _StagingState()
+        return state
+
+    def enginectl_stage(self, plan_wire: Any) -> Any:
+        """Start staging `plan` on a background thread; answers a StageAck at once. The
+        thread reports `frames.staged` on the progress channel when it ends."""
+        plan = read(LoadPlan, plan_wire)
+        rank, worker = dp_rank(self), int(self.rank)  # type: ignore[attr-defined]
+        state = self._enginectl_staging()
+        _drop(state, free=False)  # the server keeps one set; a set it lost track of goes
+        offsets, total = _layout(plan.tensors)
+        buffer = _buffer(state, total)
+        staged = state.current = _Staged(plan.stage_token, plan.source, plan.tensors, offsets, buffer)
+        channel = Channel(plan, rank)  # from here on used by the staging thread only
+        source = None if plan.source == Source.TENSORS else self._enginectl_stage_source(plan, channel)
+        thread = threading.Thread(
+            target=_stage,
+            args=(staged, source, channel, rank, worker),
+            name=f"enginectl-stage-{plan.stage_token[:8]}",
+            daemon=True,
+        )
+        thread.start()
+        return wire(StageAck(rank, worker))
+
+    def _enginectl_stage_source(self, plan: LoadPlan, channel: Channel) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of a disk or broadcast stage (lazy: they are read on the staging thread)."""
+        if plan.source == Source.DISK:
+            return disk_tensors(plan)
+        if plan.source == Source.DISTRIBUTED:
+            return self._enginectl_broadcast_tensors(plan, channel)  # type: ignore[attr-defined]
+        raise Abort(Cause.LOAD_FAILED, f"{plan.source.value} updates can not be staged")
+
+    def enginectl_stage_result(self, token: str) -> Any:
+        """How this worker's staging of `token` ended (done False while it still runs)."""
+        rank, worker = dp_rank(self), int(self.rank)  # type: ignore[attr-defined]
+        staged = self._enginectl_staging().current
+        if staged is None or staged.token != token:
+            error = LoadError(Cause.LOAD_FAILED, "no staged set of that name on this worker")
+            return wire(StageResult(rank, worker, done=True, error=error))
+        return wire(staged.result or StageResult(rank, worker, done=False))
+
+    def enginectl_discard_staged(self, token: str, free: bool) -> int:
+        """Drop the staged set `token` (a staging thread still running stops at its next
+        tensor or chunk); `free` also releases the buffer instead of keeping it for the next
+        stage. Answers the bytes the set held (0: no such set)."""
+        state = self._enginectl_staging()
+        if state.current is None or state.current.token != token:
+            return 0
+        return _drop(state, free)
+
+    def _enginectl_staged_tensors(self, plan: LoadPlan) -> Iterator[tuple[str, torch.Tensor]]:
+        """A commit's tensors: views of the staged set `plan.stage_token` (Abort before the
+        first tensor when this worker has no complete set of that name)."""
+        staged = self._enginectl_staging().current
+        if staged is None or staged.token != plan.stage_token:
+            raise Abort(Cause.LOAD_FAILED, "no staged set of that name on this worker")
+        if staged.result is None or not staged.result.done or staged.result.error is not None:
+            raise Abort(Cause.LOAD_FAILED, "the staged set on this worker is not complete")
+        for spec, offset in zip(staged.specs, staged.offsets, strict=True):
+            yield spec.name, typed_view(staged.buffer, offset, spec.dtype, spec.shape)
+
+    def _enginectl_after_commit(self) -> None:
+        """After loading from the staging buffer: if the model kept a view of it instead of
+        copying (a loader that assigns `param.data`), the buffer is the model's now and must
+        never be written by a later stage."""
+        state = self._enginectl_staging()
+        if state.buffer is None:
+            return
+        start = state.buffer.untyped_storage().data_ptr()
+        end = start + state.buffer.untyped_storage().nbytes()
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        for tensor in model.state_dict(keep_vars=True).values():
+            if tensor.device.type == "cpu" and start <= tensor.untyped_storage().data_ptr() < end:
+                state.buffer = None  # the staged set keeps its own reference
+                return
+
+
+def disk_tensors(plan: LoadPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a disk update's files, in file order."""
+    from safetensors import safe_open
+
+    for file in plan.files:
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _layout(specs: tuple[TensorSpec, ...]) -> tuple[list[int], int]:
+    """Byte offsets of `specs` back to back, and their total."""
+    offsets, total = [], 0
+    for spec in specs:
+        offsets.append(total)
+        total += dtypes.nbytes(spec.dtype, spec.shape)
+    return offsets, total
+
+
+def _buffer(state: _StagingState, size: int) -> torch.Tensor:
+    """`size` bytes of the kept staging buffer (grown when too small); pinned where CUDA is,
+    so a commit copies to the GPU at full speed."""
+    if state.buffer is None or state.buffer.numel() < size:
+        state.buffer = None  # free the old one before allocating the new
+        state.buffer = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    return state.buffer[:size]
+
+
+def _drop(state: _StagingState, free: bool) -> int:
+    staged, state.current = state.current, None
+    nbytes = 0
+    if staged is not None:
+        staged.stop.set()
+        nbytes = staged.buffer.numel()
+    if free:
+        state.buffer = None
+    return nbytes
+
+
+def _stage(
+    staged: _Staged,
+    source: Iterator[tuple[str, torch.Tensor]] | None,
+    channel: Channel,
+    rank: int,
+    worker: int,
+) -> None:
+    """The staging thread: receive every tensor into the buffer, digest it, report."""
+    total = staged.buffer.numel()
+    try:
+        if source is None:
+            _receive_stream(staged, channel)
+        else:
+            _copy_tensors(staged, source, channel)
+        digest = _digest(staged)
+        result = StageResult(rank, worker, done=True, tensors=len(staged.specs), nbytes=total, digest=digest)
+    except Abort as exc:
+        result = StageResult(rank, worker, done=True, error=LoadError(exc.cause, str(exc)))
+    except Exception as exc:  # noqa: BLE001 - a broken sender, a truncated file, ...
+        cause = Cause.STREAM_BROKEN if staged.source == Source.DISTRIBUTED else Cause.LOAD_FAILED
+        result = StageResult(rank, worker, done=True, error=LoadError(cause, f"{type(exc).__name__}: {exc}"))
+    staged.result = result
+    try:
+        if result.error is None:
+            channel.progress(len(staged.specs), total, force=True)
+        channel.progress_socket.setsockopt(zmq.SNDTIMEO, STAGED_SEND_TIMEOUT_MS)
+        channel.progress_socket.send(frames.staged(rank, worker))
+    except zmq.ZMQError:
+        pass  # the server went away or stopped listening: it reads StageResult instead
+    finally:
+        channel.close()
+
+
+def _check(staged: _Staged, channel: Channel) -> None:
+    if staged.stop.is_set():
+        raise Abort(Cause.UPDATE_CANCELLED, "the staged set was discarded while it was received")
+    channel.check()
+
+
+def _copy_tensors(staged: _Staged, source: Iterator[tuple[str, torch.Tensor]], channel: Channel) -> None:
+    """Disk or broadcast tensors, each copied into its place (a disk file's order may differ
+    from the plan's: tensors are placed by name)."""
+    index = {spec.name: i for i, spec in enumerate(staged.specs)}
+    seen: set[int] = set()
+    nbytes = 0
+    for name, tensor in source:
+        _check(staged, channel)
+        i = index.get(name)
+        if i is None or i in seen:
+            raise Abort(Cause.LOAD_FAILED, f"{name}: not in the update's tensors, or twice")
+        size = dtypes.nbytes(staged.specs[i].dtype, staged.specs[i].shape)
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        if data.numel() != size:
+            raise Abort(Cause.DATA_SIZE_MISMATCH, f"{name}: {data.numel()} bytes; its spec holds {size}")
+        staged.buffer[staged.offsets[i] : staged.offsets[i] + size].copy_(data)
+        seen.add(i)
+        nbytes += size
+        channel.progress(len(seen), nbytes)
+    if len(seen) != len(staged.specs):
+        missing = next(spec.name for i, spec in enumerate(staged.specs) if i not in seen)
+        raise Abort(Cause.LOAD_FAILED, f"{len(staged.specs) - len(seen)} tensor(s) never arrived, e.g. {missing}")
+
+
+def _receive_stream(staged: _Staged, channel: Channel) -> None:
+    """Tensor-stream chunks straight into the buffer (the stream's layout is the buffer's)."""
+    view = memoryview(staged.buffer.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+    total, received, complete = staged.buffer.numel(), 0, 0
+    while received < total:
+        _check(staged, channel)
+        chunk = channel.recv()  # an abort (a short stream, CancelOperation, a timeout) raises
+        view[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
+        received = chunk.offset + len(chunk.data)
+        while complete < len(staged.specs) and _end(staged, complete) <= received:
+            complete += 1
+        channel.progress(complete, received)
+
+
+def _end(staged: _Staged, i: int) -> int:
+    return staged.offsets[i] + dtypes.nbytes(staged.specs[i].dtype, staged.specs[i].shape)
+
+
+def _digest(staged: _Staged) -> str:
+    """The staged bytes' digest (contract STAGED_DIGEST_METHOD): each tensor's name, dtype,
+    shape and CRC32 (zlib releases the GIL on large buffers) folded into blake2b."""
+    digest = hashlib.blake2b(digest_size=16)
+    view = memoryview(staged.buffer.numpy())  # type: ignore[arg-type]
+    for i, spec in enumerate(staged.specs):
+        if staged.stop.is_set():
+            raise Abort(Cause.UPDATE_CANCELLED, "the staged set was discarded while it was digested")
+        digest.update(f"{spec.name}|{spec.dtype}|{tuple(spec.shape)}".encode())
+        digest.update(zlib.crc32(view[staged.offsets[i] : _end(staged, i)]).to_bytes(4, "little"))
+    return digest.hexdigest()
