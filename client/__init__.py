@@ -21,6 +21,17 @@ from enginectl.client.errors import (
     UnavailableError,
     UnimplementedError,
 )
+from enginectl.client.fleet import AsyncFleet, Fleet
+from enginectl.client.fleet_types import (
+    FleetCommit,
+    FleetCommitError,
+    FleetError,
+    FleetStage,
+    FleetStageError,
+    FleetStatus,
+    ServerOutcome,
+    ServerStatus,
+)
 from enginectl.client.fpm import FpmBatch, FpmProgress, FpmSample, SampleKind
 from enginectl.client.planner import (
     EndpointStatus,
@@ -38,9 +49,9 @@ from enginectl.client.trainer_types import (
     GenerationState,
     PauseResult,
     ServerInfo,
+    StagedWeights,
     UpdateOperation,
     UpdateProgress,
-    StagedWeights,
     UpdateResult,
     Verification,
     WeightsUpdateGroup,
@@ -57,6 +68,16 @@ from enginectl.client.types import (
 __all__ = [
     "AbortedError",
     "AsyncBroadcast",
+    "AsyncFleet",
+    "Fleet",
+    "FleetCommit",
+    "FleetCommitError",
+    "FleetError",
+    "FleetStage",
+    "FleetStageError",
+    "FleetStatus",
+    "ServerOutcome",
+    "ServerStatus",
     "AsyncClient",
     "AsyncTrainerClient",
     "Broadcast",

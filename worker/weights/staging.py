@@ -20,6 +20,7 @@ about 7x slower than reused ones on a busy host (docs/weights.md, "Two-phase upd
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import zlib
 from collections.abc import Iterator
@@ -47,6 +48,9 @@ from enginectl.worker.weights.groups import typed_view
 from enginectl.worker.weights.ranks import dp_rank
 
 STAGED_SEND_TIMEOUT_MS = 10_000  # the `staged` report waits this long for a slow server
+# Fault injection for tests only (a commit that fails after writing began cannot be caused on
+# demand otherwise): "commit-once" makes this worker's first commit fail half-way.
+FAULT_ENV = "ENGINECTL_TEST_FAULT"
 
 
 @dataclass
@@ -66,6 +70,7 @@ class _Staged:
 class _StagingState:
     current: _Staged | None = None
     buffer: torch.Tensor | None = None  # kept for reuse across stages
+    fault_fired: bool = False  # FAULT_ENV
 
 
 class StagingMixin:
@@ -132,7 +137,12 @@ class StagingMixin:
             raise Abort(Cause.LOAD_FAILED, "no staged set of that name on this worker")
         if staged.result is None or not staged.result.done or staged.result.error is not None:
             raise Abort(Cause.LOAD_FAILED, "the staged set on this worker is not complete")
-        for spec, offset in zip(staged.specs, staged.offsets, strict=True):
+        state = self._enginectl_staging()
+        fault = os.environ.get(FAULT_ENV) == "commit-once" and not state.fault_fired
+        for i, (spec, offset) in enumerate(zip(staged.specs, staged.offsets, strict=True)):
+            if fault and i == len(staged.specs) // 2:
+                state.fault_fired = True
+                raise RuntimeError(f"injected commit fault ({FAULT_ENV}=commit-once)")
             yield spec.name, typed_view(staged.buffer, offset, spec.dtype, spec.shape)
 
     def _enginectl_after_commit(self) -> None:

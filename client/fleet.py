@@ -1,0 +1,429 @@
+"""Fleet: one trainer, many rollout engines, one version (docs/weights.md, "The fleet").
+
+Runs in the trainer process. No new server and no consensus service: the trainer is the single
+writer of its fleet's version, and every server's own two-phase update does the rest.
+
+1. `stage_*`: every server stages the same tensors while it keeps generating (the same disk
+   path on each, a tensor stream to each, or ONE broadcast through one gloo/NCCL group that
+   spans the trainer and every engine's workers, each server at its own rank offset). The
+   etag each server's version had is kept as the commit's fence. If any stage fails, every
+   staged set is discarded: no server changed.
+2. `commit`: "strict" (default) pauses every server (KEEP), commits each with its etag, then
+   resumes them all, so no server generates under the new version while another still
+   generates under the old one; "loose" commits each on its own (every output still names
+   the versions it was generated under). A server whose commit failed after writing began is
+   quarantined by the server itself (paused, undeclared, gRPC health NOT_SERVING); one whose
+   commit failed before writing is held paused on its old weights by the fleet. `repair()`
+   re-commits the kept staged set on both kinds.
+3. `status()` joins every server's version, generation state, staged set and health, and,
+   given a Planner, the age of each rank's newest forward-pass-metrics sample.
+
+`Fleet` is the blocking twin (the same methods, on a private event-loop thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, Unpack
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from enginectl.client._sync import LoopThread, blocking
+from enginectl.client.client import ChannelOptions
+from enginectl.client.errors import EnginectlError, Reason, from_rpc_error
+from enginectl.client.fleet_types import (
+    FleetCommit,
+    FleetCommitError,
+    FleetError,
+    FleetStage,
+    FleetStageError,
+    FleetStatus,
+    RankStatus,
+    ServerOutcome,
+    ServerStatus,
+)
+from enginectl.client.planner import Planner, PlannerThread, RankState
+from enginectl.client.trainer import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, AsyncTrainerClient
+from enginectl.client.trainer_requests import GRACE_S, duration
+from enginectl.client.trainer_tensors import BACKENDS, BroadcastGroup, TensorSource, named_tensors, tensor_spec
+from enginectl.client.trainer_types import StagedWeights, UpdateOperation, UpdateResult, Verification
+from enginectl.common.buckets import cut
+from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+T = TypeVar("T")
+FLEET_GROUP = "enginectl-fleet"
+MODES = ("strict", "loose")
+
+
+class AsyncFleet:
+    """asyncio fleet of servers: `async with AsyncFleet(["h1:50051", "h2:50051"]) as f: ...`."""
+
+    def __init__(self, targets: Sequence[str], **config: Unpack[ChannelOptions]) -> None:
+        if not targets or len(set(targets)) != len(targets):
+            raise ValueError("a fleet needs one or more distinct targets")
+        self.targets = list(targets)
+        self.clients = {t: AsyncTrainerClient(t, **config) for t in self.targets}
+        self.last_stage: FleetStage | None = None
+        self.last_commit: FleetCommit | None = None
+        self._group: BroadcastGroup | None = None
+
+    async def __aenter__(self) -> AsyncFleet:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        await asyncio.gather(*(c.close() for c in self.clients.values()), return_exceptions=True)
+
+    async def _each(
+        self, call: Callable[[str, AsyncTrainerClient], Awaitable[T]], targets: Sequence[str] | None = None
+    ) -> dict[str, T | EnginectlError]:
+        """`call` on every server (or `targets`) at once; an EnginectlError is its answer."""
+        chosen = self.targets if targets is None else list(targets)
+        answers = await asyncio.gather(*(call(t, self.clients[t]) for t in chosen), return_exceptions=True)
+        out: dict[str, T | EnginectlError] = {}
+        for target, answer in zip(chosen, answers, strict=True):
+            if isinstance(answer, BaseException) and not isinstance(answer, EnginectlError):
+                raise answer
+            out[target] = answer
+        return out
+
+    # --- status --------------------------------------------------------------------------
+
+    async def status(self, planner: Planner | PlannerThread | None = None) -> FleetStatus:
+        """Every server's version, generation state (with its staged set), health and, with a
+        `planner` following these servers, each rank's newest-sample age."""
+        latest: list[RankState] = []
+        if isinstance(planner, Planner):
+            latest = planner.fleet.latest()
+        elif isinstance(planner, PlannerThread):
+            loop, inner = planner._started()
+            latest = await asyncio.to_thread(loop.call, inner.fleet.latest)
+
+        async def read(target: str, client: AsyncTrainerClient) -> ServerStatus:
+            health = health_pb2_grpc.HealthStub(client._channel)
+            checked = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=client.config.timeout)
+            version, generation = await asyncio.gather(client.get_weight_version(), client.generation_state())
+            ranks = tuple(RankStatus(r.dp_rank, r.worker_id, r.age_s) for r in latest if r.endpoint == target)
+            serving = checked.status == health_pb2.HealthCheckResponse.SERVING
+            return ServerStatus(target, serving, version, generation, ranks)
+
+        async def guarded(target: str, client: AsyncTrainerClient) -> ServerStatus:
+            try:
+                return await read(target, client)
+            except EnginectlError as err:
+                return ServerStatus(target, False, error=err)
+            except grpc.aio.AioRpcError as err:  # the health call is not one of the client's
+                return ServerStatus(target, False, error=from_rpc_error(err))
+
+        answers = await asyncio.gather(*(guarded(t, c) for t, c in self.clients.items()))
+        return FleetStatus({s.target: s for s in answers})
+
+    async def verify(self, full: bool = False) -> dict[str, Verification | EnginectlError]:
+        """VerifyWeights on every server."""
+        return await self._each(lambda _, c: c.verify_weights(full))
+
+    # --- stage ---------------------------------------------------------------------------
+
+    async def stage_from_disk(
+        self, path: str, version: str | None = None, *, timeout: float | None = None
+    ) -> FleetStage:
+        """Every server stages the safetensors at `path` (the same path on each)."""
+        return await self._stage(version, lambda _, c: c.stage_weights_from_disk(path, version, timeout=timeout))
+
+    async def stage_from_tensors(
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        timeout: float | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> FleetStage:
+        """Every server stages `tensors` over its own tensor stream."""
+        named = named_tensors(tensors)
+        return await self._stage(
+            version,
+            lambda _, c: c.stage_weights_from_tensors(named, version, timeout=timeout, chunk_bytes=chunk_bytes),
+        )
+
+    async def init_weights_update_group(
+        self,
+        group_name: str = FLEET_GROUP,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        *,
+        backend: str = "gloo",
+        timeout: float = 60.0,
+    ) -> dict[str, int]:
+        """One group spanning this trainer (rank 0) and every engine's workers, server after
+        server (the rank offsets it returns, by target): one broadcast feeds the fleet."""
+        infos = await self._each(lambda _, c: c.get_server_info())
+        failed = {t: i for t, i in infos.items() if isinstance(i, EnginectlError)}
+        if failed:
+            raise FleetError("could not read every server", {t: ServerOutcome(t, e) for t, e in failed.items()})
+        offsets, world = {}, 1
+        for target in self.targets:
+            offsets[target] = world
+            world += infos[target].num_workers  # type: ignore[union-attr]
+        group = await asyncio.to_thread(
+            BroadcastGroup.host, group_name, backend, master_address, master_port, world, timeout
+        )
+
+        async def join(target: str, client: AsyncTrainerClient) -> Any:
+            request = pb2.InitWeightsUpdateGroupRequest(
+                group_name=group_name,
+                master_address=master_address,
+                master_port=group.port,
+                rank_offset=offsets[target],
+                world_size=world,
+                backend=BACKENDS[backend],
+                timeout=duration(timeout),
+            )
+            return await client._unary(client._updates.InitWeightsUpdateGroup, request, timeout + GRACE_S)
+
+        joining = asyncio.ensure_future(asyncio.to_thread(group.join))
+        joined = await self._each(join)
+        errors = {t: ServerOutcome(t, e) for t, e in joined.items() if isinstance(e, EnginectlError)}
+        if errors:
+            group.close()
+            joining.add_done_callback(lambda f: f.cancelled() or f.exception())
+            await self._each(lambda _, c: c.destroy_weights_update_group(group_name, allow_missing=True))
+            raise FleetError("not every server joined the group", errors)
+        await joining
+        self._group = group
+        return offsets
+
+    async def stage_broadcast(
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        timeout: float | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> FleetStage:
+        """Every server stages `tensors` from ONE broadcast through the fleet's group
+        (init_weights_update_group first)."""
+        group = self._group
+        if group is None:
+            raise ValueError("no fleet group: call init_weights_update_group first")
+        named = named_tensors(tensors, group.device)
+        request = pb2.UpdateWeightsFromDistributedRequest(
+            group_name=group.name, tensors=[tensor_spec(n, t) for n, t in named], bucket_bytes=bucket_bytes
+        )
+        request.stage_only = True
+        if version is not None:
+            request.weight_version = version
+        if timeout is not None:
+            request.timeout.CopyFrom(duration(timeout))
+
+        async def start(_: str, client: AsyncTrainerClient) -> UpdateOperation:
+            return UpdateOperation.from_proto(
+                await client._unary(client._updates.UpdateWeightsFromDistributed, request, None)
+            )
+
+        started = await self._each(start)
+        if any(isinstance(op, EnginectlError) for op in started.values()):
+            # Nobody broadcasts: stop the stages that began (their workers wait for data).
+            await self._each(
+                lambda t, c: c.cancel_operation(started[t].name),  # type: ignore[union-attr]
+                [t for t, op in started.items() if not isinstance(op, EnginectlError)],
+            )
+            outcomes = await self._stage_results(started)
+            await self._discard_all(outcomes)
+            raise FleetStageError("a server refused the stage; nothing was broadcast", outcomes)
+        sizes = [t.numel() * t.element_size() for _, t in named]
+        sending = asyncio.to_thread(group.broadcast, [t for _, t in named], cut(sizes, bucket_bytes))
+        sent = await asyncio.gather(sending, return_exceptions=True)
+        outcomes = await self._stage_results(started)
+        if isinstance(sent[0], BaseException) and all(o.ok for o in outcomes.values()):
+            outcomes = {t: ServerOutcome(t, _local_error(sent[0])) for t in outcomes}
+        return await self._staged_or_discard(version, outcomes, {})
+
+    async def _stage_results(self, started: dict[str, UpdateOperation | EnginectlError]) -> dict[str, ServerOutcome]:
+        async def finish(target: str, client: AsyncTrainerClient) -> ServerOutcome:
+            op = started[target]
+            if isinstance(op, EnginectlError):
+                return ServerOutcome(target, op)
+            done = await client.wait_operation(op.name)
+            if done.error is not None:
+                return ServerOutcome(target, done.error)
+            assert done.response is not None
+            return ServerOutcome(target, staged=done.response.staged)
+
+        answers = await self._each(finish)
+        return {t: a if isinstance(a, ServerOutcome) else ServerOutcome(t, a) for t, a in answers.items()}
+
+    async def _stage(
+        self, version: str | None, stage: Callable[[str, AsyncTrainerClient], Awaitable[StagedWeights]]
+    ) -> FleetStage:
+        etags = await self._each(lambda _, c: c.get_weight_version())
+        answers = await self._each(stage)
+        outcomes = {
+            t: ServerOutcome(t, a) if isinstance(a, EnginectlError) else ServerOutcome(t, staged=a)
+            for t, a in answers.items()
+        }
+        return await self._staged_or_discard(
+            version, outcomes, {t: v.etag for t, v in etags.items() if not isinstance(v, EnginectlError)}
+        )
+
+    async def _staged_or_discard(
+        self, version: str | None, outcomes: dict[str, ServerOutcome], etags: dict[str, str]
+    ) -> FleetStage:
+        if not all(o.ok for o in outcomes.values()):
+            await self._discard_all(outcomes)
+            raise FleetStageError("a stage failed; every staged set was discarded, no server changed", outcomes)
+        if not etags:  # a broadcast stage: the fence is the version as the stage ended
+            read = await self._each(lambda _, c: c.get_weight_version())
+            etags = {t: v.etag for t, v in read.items() if not isinstance(v, EnginectlError)}
+        self.last_stage = FleetStage(version, outcomes, etags)
+        return self.last_stage
+
+    async def _discard_all(self, outcomes: dict[str, ServerOutcome]) -> None:
+        staged = {t: o.staged.name for t, o in outcomes.items() if o.staged is not None}
+        await self._each(lambda t, c: c.discard_staged_weights(staged[t], allow_missing=True), list(staged))
+
+    async def discard(self, stage: FleetStage | None = None) -> None:
+        """Drop the staged sets of `stage` (default: the last) on every server."""
+        stage = stage or self.last_stage
+        if stage is not None:
+            await self._discard_all(stage.outcomes)
+
+    # --- commit --------------------------------------------------------------------------
+
+    async def commit(
+        self,
+        stage: FleetStage | None = None,
+        version: str | None = None,
+        *,
+        mode: str = "strict",
+        fence: bool = True,
+        timeout: float | None = None,
+    ) -> FleetCommit:
+        """Apply `stage` (default: the last) on every server and declare `version` (None: the
+        stage's). `fence`: each commit only while its server still serves the version it had
+        when staging began. Raises FleetCommitError (with every server's outcome) unless every
+        commit succeeded; see `repair`."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        stage = stage or self.last_stage
+        if stage is None:
+            raise ValueError("nothing staged: stage first")
+        version = version if version is not None else stage.version
+        barrier = mode == "strict"
+        if barrier:
+            paused = await self._each(lambda _, c: c.pause_generation("keep"))
+            failed = {t: ServerOutcome(t, e) for t, e in paused.items() if isinstance(e, EnginectlError)}
+            if failed:
+                await self._each(lambda _, c: c.resume_generation(), [t for t in paused if t not in failed])
+                raise FleetCommitError("could not pause every server; nothing was committed", failed)
+
+        async def apply(target: str, client: AsyncTrainerClient) -> UpdateResult:
+            staged = stage.staged[target]
+            etag = stage.etags.get(target) if fence else None
+            return await client.commit_staged_weights(staged.name, version, etag=etag, timeout=timeout)  # type: ignore[return-value]
+
+        answers = await self._each(apply)
+        outcomes = {t: self._commit_outcome(t, a) for t, a in answers.items()}
+        if barrier:  # every commit ended: resume the ones that hold the new version, together
+            await self._each(lambda _, c: c.resume_generation(), [t for t, o in outcomes.items() if o.ok])
+        self.last_commit = FleetCommit(version, mode, outcomes)
+        if not self.last_commit.ok:
+            raise FleetCommitError("a commit failed; see outcomes and repair()", outcomes)
+        return self.last_commit
+
+    @staticmethod
+    def _commit_outcome(target: str, answer: UpdateResult | EnginectlError) -> ServerOutcome:
+        if isinstance(answer, EnginectlError):
+            state = "quarantined" if answer.reason == Reason.PARTIAL_UPDATE else "held"
+            return ServerOutcome(target, answer, state=state)
+        return ServerOutcome(target, result=answer)
+
+    async def repair(self, timeout: float | None = None) -> FleetCommit:
+        """Re-commit the kept staged set on every server whose last commit failed, fenced by
+        its version now, and resume it. Returns the repaired servers' outcomes."""
+        last, stage = self.last_commit, self.last_stage
+        if last is None or stage is None or last.ok:
+            return FleetCommit(last.version if last else None, "repair", {})
+
+        async def again(target: str, client: AsyncTrainerClient) -> UpdateResult:
+            now = await client.get_weight_version()
+            staged = stage.staged[target]
+            result = await client.commit_staged_weights(staged.name, last.version, etag=now.etag, timeout=timeout)
+            await client.resume_generation()  # the fleet's barrier pause, if it still holds
+            return result  # type: ignore[return-value]
+
+        answers = await self._each(again, list(last.failed))
+        repaired = {t: self._commit_outcome(t, a) for t, a in answers.items()}
+        self.last_commit = FleetCommit(last.version, last.mode, {**last.outcomes, **repaired})
+        if not all(o.ok for o in repaired.values()):
+            raise FleetCommitError("repair failed on some server", repaired)
+        return FleetCommit(last.version, "repair", repaired)
+
+    async def update_from_disk(self, path: str, version: str, *, mode: str = "strict") -> FleetCommit:
+        """stage_from_disk, then commit: the whole fleet moves to `version` or none does
+        until a commit (see commit for what a failed commit leaves)."""
+        stage = await self.stage_from_disk(path, version)
+        return await self.commit(stage, mode=mode)
+
+
+FleetError_ = FleetStageError  # a setup step (reading servers, joining a group) failed
+
+
+def _local_error(exc: BaseException) -> EnginectlError:
+    return EnginectlError(grpc.StatusCode.UNAVAILABLE, f"the broadcast failed: {type(exc).__name__}: {exc}")
+
+
+class Fleet:
+    """Blocking fleet with the methods of AsyncFleet; a context manager."""
+
+    def __init__(self, targets: Sequence[str], **config: Unpack[ChannelOptions]) -> None:
+        self._loop = LoopThread("enginectl-Fleet")
+
+        async def make() -> AsyncFleet:
+            return AsyncFleet(targets, **config)
+
+        try:
+            self._core = self._loop.run(make())
+        except BaseException:
+            self._loop.close()
+            raise
+        self.targets = self._core.targets
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.closed:
+            return
+        try:
+            self._loop.run(self._core.close())
+        finally:
+            self._loop.close()
+
+    @property
+    def last_stage(self) -> FleetStage | None:
+        return self._core.last_stage
+
+    @property
+    def last_commit(self) -> FleetCommit | None:
+        return self._core.last_commit
+
+    status = blocking(AsyncFleet.status)
+    verify = blocking(AsyncFleet.verify)
+    stage_from_disk = blocking(AsyncFleet.stage_from_disk)
+    stage_from_tensors = blocking(AsyncFleet.stage_from_tensors)
+    init_weights_update_group = blocking(AsyncFleet.init_weights_update_group)
+    stage_broadcast = blocking(AsyncFleet.stage_broadcast)
+    discard = blocking(AsyncFleet.discard)
+    commit = blocking(AsyncFleet.commit)
+    repair = blocking(AsyncFleet.repair)
+    update_from_disk = blocking(AsyncFleet.update_from_disk)
