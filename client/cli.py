@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from enginectl.client import cli_fleet
 from enginectl.client.cli_args import parser
 from enginectl.client.cli_errors import ExitCode, exit_code, report
 from enginectl.client.cli_fpm import watch
@@ -162,6 +163,16 @@ class Commands:
         a = self.args
         with self._client() as c:
             self.out.show(c.set_worker_identity(a.worker_id, rank_timeout=a.rank_timeout), render)
+
+    # --- fleet ------------------------------------------------------------------------
+    def fleet_status(self) -> int:
+        return cli_fleet.status(self.args, self.options, self.out)
+
+    def fleet_update(self) -> int:
+        return cli_fleet.update(self.args, self.options, self.out)
+
+    def fleet_verify(self) -> int:
+        return cli_fleet.verify(self.args, self.options, self.out)
 
     # --- fpm --------------------------------------------------------------------------
     def fpm_watch(self) -> None:

@@ -13,6 +13,7 @@ import os
 
 import enginectl
 from enginectl.client.cli_errors import EPILOG
+from enginectl.client.cli_fleet import add_commands as add_fleet_commands
 from enginectl.client.client import DEFAULT_TARGET, DEFAULT_TIMEOUT_S
 
 DESCRIPTION = """Talk to a running `enginectl serve` (a vLLM engine's gRPC control plane).
@@ -266,6 +267,7 @@ def parser() -> argparse.ArgumentParser:
     _operation_commands(sub)
     _identity_commands(sub)
     _fpm_commands(sub)
+    add_fleet_commands(sub, _group, _leaf)
     serve = sub.add_parser(
         "serve", help="run a server (not a client command): `enginectl serve --help`", add_help=False
     )

@@ -45,7 +45,9 @@ from enginectl.client.fleet_types import (
     ServerStatus,
 )
 from enginectl.client.planner import Planner, PlannerThread, RankState
+from enginectl.client.progress import FleetProgress
 from enginectl.client.trainer import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, AsyncTrainerClient
+from enginectl.client.trainer_operations import POLL_S
 from enginectl.client.trainer_requests import GRACE_S, duration
 from enginectl.client.trainer_tensors import BACKENDS, BroadcastGroup, TensorSource, named_tensors, tensor_spec
 from enginectl.client.trainer_types import StagedWeights, UpdateOperation, UpdateResult, Verification
@@ -132,10 +134,14 @@ class AsyncFleet:
     # --- stage ---------------------------------------------------------------------------
 
     async def stage_from_disk(
-        self, path: str, version: str | None = None, *, timeout: float | None = None
+        self, path: str, version: str | None = None, *, timeout: float | None = None, progress: bool = False
     ) -> FleetStage:
-        """Every server stages the safetensors at `path` (the same path on each)."""
-        return await self._stage(version, lambda _, c: c.stage_weights_from_disk(path, version, timeout=timeout))
+        """Every server stages the safetensors at `path` (the same path on each);
+        `progress` draws every server's bytes on one stderr line."""
+        etags = await self._etags()
+        started = await self._each(lambda _, c: c.start_stage_from_disk(path, version, timeout=timeout))
+        outcomes = await self._stage_results(started, progress)
+        return await self._staged_or_discard(version, outcomes, etags)
 
     async def stage_from_tensors(
         self,
@@ -206,6 +212,7 @@ class AsyncFleet:
         *,
         timeout: float | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        progress: bool = False,
     ) -> FleetStage:
         """Every server stages `tensors` from ONE broadcast through the fleet's group
         (init_weights_update_group first)."""
@@ -239,38 +246,62 @@ class AsyncFleet:
             raise FleetStageError("a server refused the stage; nothing was broadcast", outcomes)
         sizes = [t.numel() * t.element_size() for _, t in named]
         sending = asyncio.to_thread(group.broadcast, [t for _, t in named], cut(sizes, bucket_bytes))
-        sent = await asyncio.gather(sending, return_exceptions=True)
-        outcomes = await self._stage_results(started)
+        sent, outcomes = await asyncio.gather(
+            asyncio.gather(sending, return_exceptions=True), self._stage_results(started, progress)
+        )
         if isinstance(sent[0], BaseException) and all(o.ok for o in outcomes.values()):
             outcomes = {t: ServerOutcome(t, _local_error(sent[0])) for t in outcomes}
         return await self._staged_or_discard(version, outcomes, {})
 
-    async def _stage_results(self, started: dict[str, UpdateOperation | EnginectlError]) -> dict[str, ServerOutcome]:
-        async def finish(target: str, client: AsyncTrainerClient) -> ServerOutcome:
-            op = started[target]
-            if isinstance(op, EnginectlError):
-                return ServerOutcome(target, op)
-            done = await client.wait_operation(op.name)
-            if done.error is not None:
-                return ServerOutcome(target, done.error)
-            assert done.response is not None
-            return ServerOutcome(target, staged=done.response.staged)
+    async def _stage_results(
+        self, started: dict[str, UpdateOperation | EnginectlError], progress: bool = False
+    ) -> dict[str, ServerOutcome]:
+        """Wait for every stage Operation (in POLL_S slices, drawing progress, with
+        `progress`); each server's outcome."""
+        outcomes = {t: ServerOutcome(t, op) for t, op in started.items() if isinstance(op, EnginectlError)}
+        running = {t: op for t, op in started.items() if not isinstance(op, EnginectlError)}
+        bar = FleetProgress("staging") if progress else None
+        try:
+            while running:
+                polled = await self._each(
+                    lambda t, c: c.wait_operation(running[t].name, POLL_S if bar else None), list(running)
+                )
+                for target, op in polled.items():
+                    if isinstance(op, EnginectlError):
+                        outcomes[target] = ServerOutcome(target, op)
+                    elif op.done and op.error is not None:
+                        outcomes[target] = ServerOutcome(target, op.error)
+                    elif op.done:
+                        outcomes[target] = ServerOutcome(target, staged=op.response.staged if op.response else None)
+                    else:
+                        running[target] = op
+                        continue
+                    running.pop(target)
+                if bar is not None:
+                    bar.update({t: op.progress for t, op in polled.items() if not isinstance(op, EnginectlError)})
+        finally:
+            if bar is not None:
+                bar.close()
+        return {t: outcomes[t] for t in started}
 
-        answers = await self._each(finish)
-        return {t: a if isinstance(a, ServerOutcome) else ServerOutcome(t, a) for t, a in answers.items()}
+    async def _etags(self) -> dict[str, str]:
+        """Every server's etag now (the fence of a commit of what is staged next)."""
+        read = await self._each(lambda _, c: c.get_weight_version())
+        failed = {t: ServerOutcome(t, v) for t, v in read.items() if isinstance(v, EnginectlError)}
+        if failed:
+            raise FleetStageError("could not read every server's version; nothing was staged", failed)
+        return {t: v.etag for t, v in read.items() if not isinstance(v, EnginectlError)}
 
     async def _stage(
         self, version: str | None, stage: Callable[[str, AsyncTrainerClient], Awaitable[StagedWeights]]
     ) -> FleetStage:
-        etags = await self._each(lambda _, c: c.get_weight_version())
+        etags = await self._etags()
         answers = await self._each(stage)
         outcomes = {
             t: ServerOutcome(t, a) if isinstance(a, EnginectlError) else ServerOutcome(t, staged=a)
             for t, a in answers.items()
         }
-        return await self._staged_or_discard(
-            version, outcomes, {t: v.etag for t, v in etags.items() if not isinstance(v, EnginectlError)}
-        )
+        return await self._staged_or_discard(version, outcomes, etags)
 
     async def _staged_or_discard(
         self, version: str | None, outcomes: dict[str, ServerOutcome], etags: dict[str, str]
@@ -279,8 +310,7 @@ class AsyncFleet:
             await self._discard_all(outcomes)
             raise FleetStageError("a stage failed; every staged set was discarded, no server changed", outcomes)
         if not etags:  # a broadcast stage: the fence is the version as the stage ended
-            read = await self._each(lambda _, c: c.get_weight_version())
-            etags = {t: v.etag for t, v in read.items() if not isinstance(v, EnginectlError)}
+            etags = await self._etags()
         self.last_stage = FleetStage(version, outcomes, etags)
         return self.last_stage
 
@@ -365,11 +395,13 @@ class AsyncFleet:
             raise FleetCommitError("repair failed on some server", repaired)
         return FleetCommit(last.version, "repair", repaired)
 
-    async def update_from_disk(self, path: str, version: str, *, mode: str = "strict") -> FleetCommit:
-        """stage_from_disk, then commit: the whole fleet moves to `version` or none does
-        until a commit (see commit for what a failed commit leaves)."""
-        stage = await self.stage_from_disk(path, version)
-        return await self.commit(stage, mode=mode)
+    async def update_from_disk(
+        self, path: str, version: str, *, mode: str = "strict", fence: bool = True, progress: bool = False
+    ) -> FleetCommit:
+        """stage_from_disk, then commit: no server changes unless every server staged (see
+        commit for what a failed commit leaves)."""
+        stage = await self.stage_from_disk(path, version, progress=progress)
+        return await self.commit(stage, mode=mode, fence=fence)
 
 
 FleetError_ = FleetStageError  # a setup step (reading servers, joining a group) failed

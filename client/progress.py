@@ -57,3 +57,29 @@ class ProgressBar:
         elif self._last:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class FleetProgress:
+    """One line for a fleet step on many servers (`staging  h1:50051 45%  h2:50051 DONE`),
+    redrawn in place on `stream` (stderr)."""
+
+    def __init__(self, what: str, stream: IO[str] | None = None) -> None:
+        self.what = what
+        self.stream = stream or sys.stderr
+        self._last = ""
+
+    def update(self, progress: dict[str, UpdateProgress]) -> None:
+        parts = []
+        for target, p in progress.items():
+            done = 100 * p.bytes_done / p.bytes_total if p.bytes_total else 0.0
+            parts.append(f"{target} {p.phase if p.phase in ('STAGED', 'DONE', 'FAILED') else f'{done:5.1f}%'}")
+        line = f"\r{self.what}  " + "  ".join(parts)
+        if line != self._last:
+            self.stream.write(line)
+            self.stream.flush()
+            self._last = line
+
+    def close(self) -> None:
+        if self._last:
+            self.stream.write("\n")
+            self.stream.flush()

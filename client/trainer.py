@@ -464,6 +464,7 @@ class TrainerClient(Client):
     start_broadcast = blocking(AsyncTrainerClient.start_broadcast, Broadcast)
     broadcast_weights = blocking(AsyncTrainerClient.broadcast_weights)
     stage_weights_from_disk = blocking(AsyncTrainerClient.stage_weights_from_disk)
+    start_stage_from_disk = blocking(AsyncTrainerClient.start_stage_from_disk)
     stage_weights_from_tensors = blocking(AsyncTrainerClient.stage_weights_from_tensors)
     stage_broadcast_weights = blocking(AsyncTrainerClient.stage_broadcast_weights)
     commit_staged_weights = blocking(AsyncTrainerClient.commit_staged_weights)

@@ -73,9 +73,16 @@ class AsyncStagingMixin(AsyncOperationsClient):
         generating; nothing it serves changes. `version` is what the commit declares unless
         the commit names one. Returns the staged set (raises the stage's error)."""
         options = UpdateOptions(version, None, request_id, "keep", True, timeout, stage_only=True)
-        request = options.fill(pb2.UpdateWeightsFromDiskRequest(path=str(path)))
-        op = UpdateOperation.from_proto(await self._unary(self._updates.UpdateWeightsFromDisk, request, None))
+        op = await self.start_stage_from_disk(path, version, request_id=request_id, timeout=timeout)
         return _staged(await self._finish(op, options, progress, True))  # type: ignore[arg-type]
+
+    async def start_stage_from_disk(
+        self, path: str, version: str | None = None, *, request_id: str | None = None, timeout: float | None = None
+    ) -> UpdateOperation:
+        """stage_weights_from_disk without waiting: the running stage's Operation."""
+        options = UpdateOptions(version, None, request_id, "keep", True, timeout, stage_only=True)
+        request = options.fill(pb2.UpdateWeightsFromDiskRequest(path=str(path)))
+        return UpdateOperation.from_proto(await self._unary(self._updates.UpdateWeightsFromDisk, request, None))
 
     async def stage_weights_from_tensors(
         self,

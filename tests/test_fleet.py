@@ -11,11 +11,13 @@ servers serving A, running, SERVING, with nothing staged.
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Iterator
 
 import pytest
 from fault_helpers import HEALTH_SERVICES, NOT_SERVING, SERVING, health
-from serving import ServeProcess
+from serving import BIN, ServeProcess
 from weights_fixtures import Checkpoints, WeightStubs, greedy_tokens, stop_server
 
 from enginectl.client import Fleet, FleetCommitError, FleetStageError, Reason, TrainerClient
@@ -208,3 +210,53 @@ def test_loose_commit_and_discard(
         assert greedy_tokens(srv) == tokens["B"]
     with pytest.raises(ValueError):
         fleet.commit(mode="eventually")
+
+
+# --- the CLI --------------------------------------------------------------------------------
+
+
+def enginectl(*words: str) -> subprocess.CompletedProcess[str]:
+    """`enginectl WORDS` as a script runs it (stdout not a terminal: JSON)."""
+    return subprocess.run(
+        [str(BIN / "enginectl"), *words], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
+
+
+def test_cli_fleet_update_status_and_verify(
+    servers: tuple[ServeProcess, ServeProcess], checkpoints: Checkpoints, tokens: dict[str, list[int]]
+) -> None:
+    targets = ",".join(s.grpc_target for s in servers)
+    done = enginectl("fleet", "update", str(checkpoints.b), "--version", "cli-B", "--targets", targets)
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    assert document["ok"] and document["mode"] == "strict"
+    assert {s["weight_version"]["version"] for s in document["servers"].values()} == {"cli-B"}
+    for srv in servers:
+        assert greedy_tokens(srv) == tokens["B"]
+
+    status = enginectl("fleet", "status", "--targets", targets)
+    assert status.returncode == 0, status.stderr
+    servers_json = json.loads(status.stdout)["servers"]
+    assert {t: (s["serving"], s["version"]["version"]) for t, s in servers_json.items()} == {
+        srv.grpc_target: (True, "cli-B") for srv in servers
+    }
+    verify = enginectl("fleet", "verify", "--targets", targets, "--full")
+    assert verify.returncode == 0, verify.stderr
+    assert {v["verdict"] for v in json.loads(verify.stdout).values()} == {"MATCH"}
+
+    # A stage refused on one server: exit 1, every server's outcome printed, nothing changed.
+    x, y = servers
+    with TrainerClient(y.grpc_target) as c:
+        c.stage_weights_from_disk(str(checkpoints.a))
+    refused = enginectl("fleet", "update", str(checkpoints.a), "--version", "cli-A", "--targets", targets)
+    assert refused.returncode == 1
+    outcome = json.loads(refused.stdout)
+    assert outcome["step"] == "stage"
+    assert outcome["servers"][x.grpc_target]["ok"]
+    assert outcome["servers"][y.grpc_target]["error"]["reason"] == Reason.STAGED_WEIGHTS_EXIST
+    assert "a stage failed" in refused.stderr
+    for srv in servers:
+        assert stubs(srv).version().version == "cli-B"
+    # An unreachable server: status says so and exits 3.
+    gone = enginectl("fleet", "status", "--targets", f"{x.grpc_target},127.0.0.1:1", "--timeout", "5")
+    assert gone.returncode == 3

@@ -1,0 +1,151 @@
+"""`enginectl fleet status|update|verify --targets A,B,...`: a fleet of servers from a terminal
+or a script (enginectl.client.Fleet; docs/cli.md, "Fleet").
+
+Runs in the `enginectl` process. A table on a terminal, one JSON document with `-o json` (or
+when stdout is not a terminal). Every server's outcome is printed, including the failed ones,
+and the exit code says whether the whole fleet did what was asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from enginectl.client.cli_errors import ExitCode
+from enginectl.client.cli_output import Output, human_seconds, table
+from enginectl.client.client import ChannelOptions
+from enginectl.client.errors import EnginectlError
+from enginectl.client.fleet import MODES, Fleet
+from enginectl.client.fleet_types import FleetCommit, FleetError, FleetStageError, FleetStatus, ServerOutcome
+from enginectl.client.trainer_types import Verification
+
+
+def add_commands(sub: Any, group: Any, leaf: Any) -> None:
+    """The `fleet` command and its verbs (cli_args.py passes its own helpers)."""
+    verbs = group(sub, "fleet", "many servers, one version: status, two-phase update, verify")
+    status = leaf(verbs, "status", "every server's version, health, generation state and staged set", "--targets A,B")
+    update = leaf(
+        verbs,
+        "update",
+        "stage PATH on every server while they generate, then commit everywhere (two-phase)",
+        "PATH --version V --targets A,B [--mode strict|loose] [--no-fence]",
+    )
+    update.add_argument("path", metavar="PATH", help="safetensors on the servers (the same path on each)")
+    update.add_argument("--version", required=True, help="the version every server declares")
+    update.add_argument(
+        "--mode",
+        choices=MODES,
+        default="strict",
+        help="strict: one global pause around every commit; loose: each server on its own",
+    )
+    update.add_argument(
+        "--no-fence", action="store_true", help="commit even if a server's version changed since staging"
+    )
+    verify = leaf(verbs, "verify", "VerifyWeights on every server", "--targets A,B [--full]")
+    verify.add_argument("--full", action="store_true", help="hash every byte (default: sample every tensor)")
+    for parser in (status, update, verify):
+        parser.add_argument("--targets", metavar="A,B,...", help="the servers (default: --target)")
+
+
+def targets(args: argparse.Namespace) -> list[str]:
+    return [t.strip() for t in (args.targets or args.target).split(",") if t.strip()]
+
+
+def status(args: argparse.Namespace, options: ChannelOptions, out: Output) -> int:
+    with Fleet(targets(args), **options) as fleet:
+        state = fleet.status()
+    document = dataclasses.asdict(state) | {"consistent": state.consistent}
+    out.show(document, lambda _: _status_view(state))
+    unreachable = any(s.error is not None for s in state.servers.values())
+    return ExitCode.UNAVAILABLE if unreachable else ExitCode.OK
+
+
+def update(args: argparse.Namespace, options: ChannelOptions, out: Output) -> int:
+    with Fleet(targets(args), **options) as fleet:
+        try:
+            commit = fleet.update_from_disk(
+                args.path, args.version, mode=args.mode, fence=not args.no_fence, progress=sys.stderr.isatty()
+            )
+        except FleetError as err:
+            print(f"enginectl: {err.args[0]}", file=sys.stderr)
+            step, outcomes = "stage" if isinstance(err, FleetStageError) else "commit", err.outcomes
+            out.show(_outcomes_document(step, args.version, outcomes), lambda _: _outcomes_view(outcomes))
+            return ExitCode.ERROR
+    out.show(_commit_document(commit), lambda _: _outcomes_view(commit.outcomes))
+    return ExitCode.OK
+
+
+def verify(args: argparse.Namespace, options: ChannelOptions, out: Output) -> int:
+    with Fleet(targets(args), **options) as fleet:
+        verdicts = fleet.verify(full=args.full)
+    document = {
+        t: (dataclasses.asdict(v) if isinstance(v, Verification) else {"error": str(v)}) for t, v in verdicts.items()
+    }
+    out.show(document, lambda _: _verify_view(verdicts))
+    ok = all(isinstance(v, Verification) and v.verdict == "MATCH" for v in verdicts.values())
+    return ExitCode.OK if ok else ExitCode.ERROR
+
+
+# --- views ---------------------------------------------------------------------------------
+
+
+def _status_view(state: FleetStatus) -> str:
+    rows: list[tuple[object, ...]] = []
+    for target, s in state.servers.items():
+        if s.error is not None:
+            rows.append((target, "UNREACHABLE", "-", "-", "-", "-", str(s.error)[:60]))
+            continue
+        version = s.version.version if s.version and s.version.declared else "<undeclared>"
+        generation = "-"
+        if s.generation is not None:
+            generation = f"paused ({s.generation.reason})" if s.generation.paused else "running"
+        staged = s.staged.name.removeprefix("staged/")[:12] if s.staged else "-"
+        ages = " ".join(f"r{r.dp_rank}:{human_seconds(r.age_s)}" for r in s.ranks) or "-"
+        revision = s.version.revision if s.version else "-"
+        rows.append((target, "SERVING" if s.serving else "NOT_SERVING", version, revision, generation, staged, ages))
+    verdict = "consistent" if state.consistent else f"NOT consistent (versions: {sorted(map(str, state.versions))})"
+    return (
+        table(("TARGET", "HEALTH", "VERSION", "REV", "GENERATION", "STAGED", "FPM AGE"), rows) + f"\n\nfleet: {verdict}"
+    )
+
+
+def _outcomes_view(outcomes: dict[str, ServerOutcome]) -> str:
+    rows = []
+    for target, o in outcomes.items():
+        result = "ok" if o.ok else (o.state or "failed")
+        version = o.result.weight_version.version if o.result and o.result.weight_version.version else "-"
+        paused = human_seconds(o.result.duration) if o.result else "-"
+        rows.append((target, result, version, paused, f"{o.error.reason}: {o.error.message}"[:80] if o.error else ""))
+    return table(("TARGET", "RESULT", "VERSION", "DURATION", "ERROR"), rows)
+
+
+def _verify_view(verdicts: dict[str, Verification | EnginectlError]) -> str:
+    rows = [
+        (t, v.verdict, v.method, "") if isinstance(v, Verification) else (t, "ERROR", "-", str(v)[:80])
+        for t, v in verdicts.items()
+    ]
+    return table(("TARGET", "VERDICT", "METHOD", "ERROR"), rows)
+
+
+def _commit_document(commit: FleetCommit) -> dict[str, Any]:
+    return _outcomes_document("commit", commit.version, commit.outcomes) | {"mode": commit.mode, "ok": commit.ok}
+
+
+def _outcomes_document(step: str, version: str | None, outcomes: dict[str, ServerOutcome]) -> dict[str, Any]:
+    return {
+        "step": step,
+        "version": version,
+        "servers": {
+            t: {
+                "ok": o.ok,
+                "state": o.state,
+                "error": {"code": o.error.code.name, "reason": o.error.reason, "message": o.error.message}
+                if o.error
+                else None,
+                "weight_version": dataclasses.asdict(o.result.weight_version) if o.result else None,
+            }
+            for t, o in outcomes.items()
+        },
+    }
