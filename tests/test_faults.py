@@ -69,6 +69,7 @@ from weights_fixtures import (  # noqa: F401
     stop_server,
 )
 
+from enginectl.client import NotFoundError, TrainerClient
 from enginectl.client.errors import EnginectlError, from_rpc_error, from_status
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as fpm_svc
@@ -166,8 +167,9 @@ def test_sigterm_during_an_update_ends_its_calls_with_unavailable(first_life: Fi
 
 @pytest.fixture(scope="module")
 def fault_server(first_life: FirstLife, serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[ServeProcess]:
-    """Started after `first_life` ended, on the same model and flags: its restart."""
-    srv = start_weights_server(serve_env, checkpoints)
+    """Started after `first_life` ended, on the same model and flags: its restart. Staged
+    sets expire after 3 s here (the TTL test)."""
+    srv = start_weights_server(serve_env, checkpoints, "--staged-weights-ttl", str(STAGED_TTL_S))
     yield srv
     stop_server(srv)
 
@@ -398,6 +400,29 @@ def test_cancel_after_writing_began_holds_generation_until_a_forced_resume(
     version = stubs.version()  # still not confident about them
     assert not version.declared and version.last_failure.cause == "UPDATE_CANCELLED"
     assert_recovers(stubs, fault_server, checkpoints, tokens_a)
+
+
+# --- a staged set nobody commits ----------------------------------------------------------
+
+STAGED_TTL_S = 3.0
+
+
+def test_a_staged_set_expires_after_its_ttl_and_a_late_commit_says_so(
+    fault_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], recovered: None
+) -> None:
+    before = stubs.version()
+    with TrainerClient(fault_server.grpc_target, timeout=60.0) as c:
+        assert c.get_server_info().staged_ttl == STAGED_TTL_S
+        staged = c.stage_weights_from_disk(str(checkpoints.b), "expiring")
+        assert staged.expire_time is not None
+        fault_server.wait_for_event(lambda e: e.get("event") == "staged weights expired", timeout=60)
+        assert c.generation_state().staged is None
+        with pytest.raises(NotFoundError) as late:
+            c.commit_staged_weights(staged.name)
+        assert late.value.reason == "STAGED_WEIGHTS_EXPIRED"
+        again = c.stage_weights_from_disk(str(checkpoints.b))  # the place is free again
+        c.discard_staged_weights(again.name)
+    assert_unchanged(stubs, fault_server, before, tokens_a)
 
 
 # --- an FPM subscriber killed, resuming ----------------------------------------------------

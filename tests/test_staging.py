@@ -11,7 +11,9 @@ HTTP API; prefix-cache use is read from vLLM's own `vllm:prefix_cache_hits` coun
 from __future__ import annotations
 
 # ruff: noqa: F811 (pytest fixtures imported from weight_update_fixtures are parameters here)
+import json
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -318,3 +320,44 @@ def test_server_info_offers_staging(client: TrainerClient, states: dict[str, dic
     assert info.staged_ttl == 600.0
     assert "enginectl.weights.v1.WeightUpdateService/CommitStagedWeights" in info.supported_rpcs
     assert "enginectl.weights.v1.WeightUpdateService/DiscardStagedWeights" in info.supported_rpcs
+
+
+# --- which version produced which tokens ---------------------------------------------------
+
+
+def generate(server: ServeProcess, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """vLLM's /inference/v1/generate (its RequestOutput, with `weight_versions`)."""
+    body = {
+        "token_ids": prompt,
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
+    request = urllib.request.Request(
+        f"{server.http_url}/inference/v1/generate",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return dict(json.load(response)["choices"][0])
+
+
+def test_a_request_held_across_a_keep_commit_names_both_versions(
+    weights_server: ServeProcess, client: TrainerClient, stubs: Stubs, checkpoints: Checkpoints
+) -> None:
+    staged = client.stage_weights_from_disk(str(checkpoints.b), "after-commit")
+    old = stubs.version().version
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(generate, weights_server, [1, 2, 3, 4], 480)
+        deadline = time.monotonic() + 60
+        while stubs.state().num_running_requests < 1:  # the request is being generated
+            assert time.monotonic() < deadline, "the long request never started"
+        held = client.pause_generation("keep")  # freeze it mid-way, then commit under the pause
+        assert held.state.num_running_requests == 1, "the request ended before it could be held"
+        client.commit_staged_weights(staged.name)
+        client.resume_generation()
+        choice = long.result()
+    spans = choice["weight_versions"]
+    n = len(choice["token_ids"])
+    assert [s["version"] for s in spans] == [old, "after-commit"], spans
+    assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == n, spans
+    after = generate(weights_server, [1, 2, 3, 4], 8)
+    assert after["weight_versions"] == [{"version": "after-commit", "start": 0, "end": len(after["token_ids"])}]
