@@ -123,8 +123,8 @@ class ControlPlaneMetrics:
                 self.update_seconds.labels(source=source, result=result)
         self.staged_bytes = Gauge(
             "enginectl_weight_staged_bytes",
-            "Bytes of weights received and held for a staged update not yet committed; 0 "
-            "while nothing is staged (always, until staged updates exist).",
+            "Bytes of the staged set waiting for CommitStagedWeights (per worker); 0 while "
+            "nothing is staged.",
             registry=registry,
         )
         self.pauses = GenerationPauses(registry)
@@ -157,8 +157,8 @@ class ControlPlaneMetrics:
         self.identity_syncs.labels(result=result).inc()
 
     def set_staged_bytes(self, nbytes: int) -> None:
-        """For staged (two-phase) updates once they exist: the bytes held between stage
-        and commit. Nothing calls it yet, so the gauge reads 0."""
+        """Staged (two-phase) updates: the bytes of the set held between stage and commit
+        (server/weights/staging.py), 0 when none is."""
         self.staged_bytes.set(nbytes)
 
 
