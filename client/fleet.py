@@ -324,6 +324,17 @@ class AsyncFleet:
         if stage is not None:
             await self._discard_all(stage.outcomes)
 
+    async def discard_staged(self) -> dict[str, int]:
+        """Drop whatever set every server holds now, the fleet's or not (a trainer that
+        restarted clears what its previous life staged); bytes freed, by target."""
+
+        async def drop(_: str, client: AsyncTrainerClient) -> int:
+            staged = (await client.generation_state()).staged
+            return 0 if staged is None else await client.discard_staged_weights(staged.name, allow_missing=True)
+
+        freed = await self._each(drop)
+        return {t: f if isinstance(f, int) else 0 for t, f in freed.items()}
+
     # --- commit --------------------------------------------------------------------------
 
     async def commit(
@@ -456,6 +467,7 @@ class Fleet:
     init_weights_update_group = blocking(AsyncFleet.init_weights_update_group)
     stage_broadcast = blocking(AsyncFleet.stage_broadcast)
     discard = blocking(AsyncFleet.discard)
+    discard_staged = blocking(AsyncFleet.discard_staged)
     commit = blocking(AsyncFleet.commit)
     repair = blocking(AsyncFleet.repair)
     update_from_disk = blocking(AsyncFleet.update_from_disk)

@@ -14,6 +14,10 @@ per point it reaches, so the test acts on a known point (a kill lands after that
   UpdateWeightsFromDistributed of FILE's tensors with `timeout` TIMEOUT seconds, broadcasts
   the first SEND_COUNT tensors, prints {"operation": name, "sent": n}, and blocks on stdin
   until it is closed (then exits 0).
+- `fleet-stage TARGETS FILE VERSION SEND_BYTES`: a fleet trainer that dies mid-stage: stages
+  FILE's tensors on every target of the comma-separated TARGETS but the last (tensor streams,
+  stage_only), then streams the first SEND_BYTES to the last one, prints
+  {"staged": [targets], "sent": bytes}, and blocks on stdin (the test kills it there).
 - `fpm TARGET`: StreamForwardPassMetrics of every sample, heartbeats included; prints
   {"progress": {...}} for a progress message and {"sequence", "kind"} per sample.
 
@@ -96,6 +100,38 @@ def broadcast(target: str, file: str, group: str, version: str, count: int, time
     os._exit(0)
 
 
+def fleet_stage(targets: list[str], file: str, version: str, send_bytes: int) -> None:
+    from safetensors.torch import load_file
+
+    from enginectl.client import TrainerClient
+    from enginectl.client.trainer_tensors import chunks, tensor_spec
+    from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+    from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
+
+    tensors = load_file(file)
+    for target in targets[:-1]:
+        with TrainerClient(target) as client:
+            client.stage_weights_from_tensors(tensors, version)
+    named = list(tensors.items())
+    header = pb2.TensorStreamHeader(tensors=[tensor_spec(n, t) for n, t in named], stage_only=True)
+    sent = 0
+
+    def messages() -> Iterator[pb2.UpdateWeightsFromTensorsRequest]:
+        nonlocal sent
+        yield pb2.UpdateWeightsFromTensorsRequest(header=header)
+        for message in chunks(named, CHUNK_BYTES):
+            if sent + len(message.chunk.data) > send_bytes:
+                break
+            sent += len(message.chunk.data)
+            yield message
+        emit({"staged": targets[:-1], "sent": sent})
+        sys.stdin.read()  # killed here
+
+    with grpc.insecure_channel(targets[-1]) as channel:
+        pb2_grpc.WeightUpdateServiceStub(channel).UpdateWeightsFromTensors(messages(), timeout=CALL_TIMEOUT_S)
+    os._exit(0)
+
+
 def fpm(target: str) -> None:
     from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
     from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
@@ -116,6 +152,8 @@ def main() -> None:
         stream(args[0], args[1], args[2], args[3], int(args[4]))
     elif mode == "broadcast":
         broadcast(args[0], args[1], args[2], args[3], int(args[4]), float(args[5]))
+    elif mode == "fleet-stage":
+        fleet_stage(args[0].split(","), args[1], args[2], int(args[3]))
     elif mode == "fpm":
         fpm(args[0])
     else:

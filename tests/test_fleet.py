@@ -12,15 +12,20 @@ servers serving A, running, SERVING, with nothing staged.
 from __future__ import annotations
 
 import json
+import random
 import subprocess
+import threading
+import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
+import grpc
 import pytest
-from fault_helpers import HEALTH_SERVICES, NOT_SERVING, SERVING, health
+from fault_helpers import HEALTH_SERVICES, NOT_SERVING, SERVING, Child, health
 from serving import BIN, ServeProcess
 from weights_fixtures import Checkpoints, WeightStubs, greedy_tokens, stop_server
 
-from enginectl.client import Fleet, FleetCommitError, FleetStageError, Reason, TrainerClient
+from enginectl.client import Client, Fleet, FleetCommitError, FleetStageError, Reason, TrainerClient
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 
@@ -64,6 +69,8 @@ def back_to_a(
 ) -> Iterator[None]:
     yield
     for srv in servers:
+        if srv.exited.is_set():  # terminated by the chaos test
+            continue
         with TrainerClient(srv.grpc_target, timeout=120.0) as c:
             staged = c.generation_state().staged
             if staged is not None:
@@ -227,7 +234,7 @@ def test_cli_fleet_update_status_and_verify(
 ) -> None:
     targets = ",".join(s.grpc_target for s in servers)
     done = enginectl("fleet", "update", str(checkpoints.b), "--version", "cli-B", "--targets", targets)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, (done.stderr, done.stdout)
     document = json.loads(done.stdout)
     assert document["ok"] and document["mode"] == "strict"
     assert {s["weight_version"]["version"] for s in document["servers"].values()} == {"cli-B"}
@@ -260,3 +267,220 @@ def test_cli_fleet_update_status_and_verify(
     # An unreachable server: status says so and exits 3.
     gone = enginectl("fleet", "status", "--targets", f"{x.grpc_target},127.0.0.1:1", "--timeout", "5")
     assert gone.returncode == 3
+
+
+# --- chaos ------------------------------------------------------------------------------------
+
+CHAOS_SEED = 20261201
+# Every kind of step at least once, in an order the seed shuffles (the first and last stay
+# updates, so the run starts and ends by moving the fleet).
+CHAOS_MIDDLE = ["update-loose", "trainer-killed", "identity", "stage-discarded", "sigterm", "update", "identity"]
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6], [5, 5, 5, 5, 5, 5]]
+
+
+def checkpoint_of(version: str) -> str:
+    """Fleet versions name their checkpoint: "A", "A:3", "B:4"."""
+    return version.split(":")[0]
+
+
+class Invariant:
+    """The fleet invariant (docs/weights.md, "The fleet"), checked from outside: no server is
+    SERVING over mixed weights; every SERVING server that is not joining serves the fleet's
+    version, running; in a strict commit, servers seen running in one round never run two
+    versions; every output names versions the fleet declared, and its tokens are the ones
+    the named checkpoint generates."""
+
+    def __init__(self, references: dict[tuple[str, int], list[int]]) -> None:
+        self.version = "A"
+        self.declared = {"A"}
+        self.joining: set[str] = set()
+        self.references = references
+        self.strict = True
+        self.violations: list[str] = []
+        self.outputs = 0
+
+    def observe(self, servers: dict[str, ServeProcess]) -> None:
+        """One round over every server: health and generation state, between two reads of
+        the version (a server whose etag moved meanwhile is read again next round)."""
+        running: dict[str, str | None] = {}
+        consistent = True
+        for target, srv in servers.items():
+            if target in self.joining:
+                continue
+            stubs_ = WeightStubs(srv)
+            try:
+                before = stubs_.version()
+                serving = health(stubs_)[""] == SERVING
+                state, version = stubs_.state(), stubs_.version()
+            except grpc.RpcError:
+                continue  # terminated or restarting: not SERVING
+            finally:
+                stubs_.channel.close()
+            if version.etag != before.etag:
+                consistent = False
+                continue
+            if serving and not version.declared and version.HasField("last_failure"):
+                self.violations.append(f"{target} SERVING over mixed weights: {version}")
+            if serving and not state.paused:
+                running[target] = version.version if version.declared else None
+        if self.strict and consistent and len(set(running.values())) > 1:
+            self.violations.append(f"two versions running at once in a strict fleet: {running}")
+
+    def settled(self, servers: dict[str, ServeProcess]) -> None:
+        """Between steps: every member SERVING, running, on the fleet's version, generating it."""
+        for target, srv in servers.items():
+            if target in self.joining:
+                continue
+            stubs_ = WeightStubs(srv)
+            try:
+                assert health(stubs_)[""] == SERVING, target
+                version, state = stubs_.version(), stubs_.state()
+            finally:
+                stubs_.channel.close()
+            assert (version.declared, version.version, state.paused) == (True, self.version, False), (target, version)
+            for i, prompt in enumerate(PROMPTS):
+                self.check_output(generate_ids(srv, prompt), i)
+
+    def check_output(self, choice: dict[str, Any], prompt: int) -> None:
+        spans = choice["weight_versions"]
+        for span in spans:
+            if span["version"] not in self.declared:
+                self.violations.append(f"an output names {span['version']!r}, never declared: {spans}")
+        if spans and spans[0]["start"] == 0:
+            end = spans[0]["end"]
+            want = self.references[(checkpoint_of(spans[0]["version"]), prompt)]
+            if choice["token_ids"][:end] != want[:end]:
+                self.violations.append(f"tokens under {spans[0]['version']} are not its checkpoint's: {choice}")
+        self.outputs += 1
+
+
+def generate_ids(server: ServeProcess, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+    body = json.dumps({"token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0}})
+    request = urllib.request.Request(
+        f"{server.http_url}/inference/v1/generate", data=body.encode(), headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return dict(json.load(response)["choices"][0])
+
+
+def test_chaos_keeps_the_fleet_invariant(
+    servers: tuple[ServeProcess, ServeProcess],
+    serve_env: dict[str, str],
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
+) -> None:
+    rng = random.Random(CHAOS_SEED)
+    steps = ["update", *rng.sample(CHAOS_MIDDLE, len(CHAOS_MIDDLE)), "update"]
+    members = {s.grpc_target: s for s in servers}
+    x = servers[0]
+    references: dict[tuple[str, int], list[int]] = {}
+    with TrainerClient(x.grpc_target, timeout=120.0) as c:  # every prompt's tokens under B, then A
+        for which, path in (("B", checkpoints.b), ("A", checkpoints.a)):
+            c.update_weights_from_disk(str(path), which)
+            references |= {(which, i): generate_ids(x, p)["token_ids"] for i, p in enumerate(PROMPTS)}
+    with Fleet(list(members), timeout=120.0) as fleet:  # the fleet starts on A, declared "A"
+        try:
+            fleet.update_from_disk(str(checkpoints.a), "A")
+        except FleetCommitError:
+            fleet.repair()
+    invariant = Invariant(references)
+    started: list[ServeProcess] = []  # replacements this test started (stopped at the end)
+    stop = threading.Event()
+
+    def watch() -> None:  # observes continuously while steps run
+        while not stop.is_set():
+            invariant.observe(members.copy())
+
+    def roll() -> None:  # rollouts on every member while steps run
+        while not stop.is_set():
+            for target, srv in members.copy().items():
+                if target in invariant.joining:
+                    continue
+                i = rng.randrange(len(PROMPTS))
+                try:
+                    choice = generate_ids(srv, PROMPTS[i])
+                except OSError:
+                    continue  # a server being terminated
+                invariant.check_output(choice, i)
+
+    threads = [threading.Thread(target=watch, daemon=True), threading.Thread(target=roll, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        for number, step in enumerate(steps):
+            fleet = Fleet(list(members), timeout=120.0)
+            try:
+                run_step(step, number, fleet, members, invariant, serve_env, checkpoints, started)
+            finally:
+                fleet.close()
+            invariant.settled(members)
+            assert not invariant.violations, (step, invariant.violations[:5])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+        for srv in started:
+            stop_server(srv)
+    assert not invariant.violations, invariant.violations[:5]
+    assert invariant.outputs > len(steps)
+
+
+def run_step(
+    step: str,
+    number: int,
+    fleet: Fleet,
+    members: dict[str, ServeProcess],
+    invariant: Invariant,
+    serve_env: dict[str, str],
+    checkpoints: Checkpoints,
+    started: list[ServeProcess],
+) -> None:
+    """One chaos step; leaves every member settled on `invariant.version`."""
+    other = "B" if checkpoint_of(invariant.version) == "A" else "A"
+    path = str(checkpoints.b if other == "B" else checkpoints.a)
+    new = f"{other}:{number}"
+    if step in ("update", "update-loose"):
+        invariant.strict = step == "update"
+        invariant.declared.add(new)
+        try:
+            fleet.update_from_disk(path, new, mode="strict" if invariant.strict else "loose")
+        except FleetCommitError:  # a quarantined server (NOT_SERVING) until repaired
+            fleet.repair()
+        invariant.version = new
+        invariant.strict = True
+    elif step == "stage-discarded":
+        stage = fleet.stage_from_disk(path, new)
+        fleet.discard(stage)
+    elif step == "trainer-killed":
+        x, y = list(members)
+        child = Child("fleet-stage", f"{x},{y}", str(checkpoints.file(other)), new, "300000")
+        try:
+            assert child.line()["staged"] == [x]
+        finally:
+            child.close()  # killed mid-stage: X holds its set, Y's stream broke
+        fleet.discard_staged()  # the next trainer clears what the dead one staged
+        for status in fleet.status().servers.values():
+            assert status.staged is None
+    elif step == "identity":
+        target = list(members)[number % len(members)]
+        with Client(target) as c:
+            c.set_worker_identity(f"chaos-{number}")
+    elif step == "sigterm":
+        target, srv = list(members.items())[-1]
+        assert srv.terminate() == 0
+        replacement = ServeProcess(
+            ["--allow-weights-from", str(checkpoints.root), "--enable-scale-out"],
+            dict(serve_env, VLLM_SERVER_DEV_MODE="1"),
+        ).start()
+        started.append(replacement)
+        replacement.wait_ready()
+        invariant.joining.add(replacement.grpc_target)  # serving its own start, not the fleet's
+        del members[target]
+        members[replacement.grpc_target] = replacement
+        with Fleet([replacement.grpc_target], timeout=120.0) as joining:
+            joining.update_from_disk(
+                str(checkpoints.a if checkpoint_of(invariant.version) == "A" else checkpoints.b), invariant.version
+            )
+        invariant.joining.discard(replacement.grpc_target)
+    else:
+        raise AssertionError(step)

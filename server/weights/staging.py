@@ -205,6 +205,8 @@ class Staging:
                 errors = [channels.aborted]
             if not errors and not all(r.done for r in results):
                 errors = [(Cause.LOAD_FAILED, "a worker reported the end of a staging it has not finished")]
+            if not errors and self.current is not staged:
+                errors = [(Cause.UPDATE_CANCELLED, "the staged set was discarded while it was received")]
             if errors:
                 raise UpdateFailed(errors[0][0], errors[0][1], modified=False)
             self._ready(staged, results)

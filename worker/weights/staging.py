@@ -63,6 +63,7 @@ class _Staged:
     offsets: list[int]
     buffer: torch.Tensor  # uint8, exactly the set's bytes
     stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
     result: StageResult | None = None  # set by the staging thread when it ends
 
 
@@ -100,6 +101,7 @@ class StagingMixin:
             name=f"enginectl-stage-{plan.stage_token[:8]}",
             daemon=True,
         )
+        staged.thread = thread
         thread.start()
         return wire(StageAck(rank, worker))
 
@@ -195,6 +197,10 @@ def _drop(state: _StagingState, free: bool) -> int:
     if staged is not None:
         staged.stop.set()
         nbytes = staged.buffer.numel()
+        if staged.thread is not None and staged.thread.is_alive():
+            # It stops at its next tensor or chunk, and may write until then: the next stage
+            # gets a buffer of its own (this one goes with that thread).
+            state.buffer = None
     if free:
         state.buffer = None
     return nbytes
