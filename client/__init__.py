@@ -32,7 +32,7 @@ from enginectl.client.fleet_types import (
     ServerOutcome,
     ServerStatus,
 )
-from enginectl.client.fpm import FpmBatch, FpmProgress, FpmSample, SampleKind
+from enginectl.client.fpm import FpmBatch, FpmGenerationState, FpmProgress, FpmSample, SampleKind
 from enginectl.client.planner import (
     EndpointStatus,
     FleetView,
@@ -90,6 +90,7 @@ __all__ = [
     "FieldViolation",
     "FleetView",
     "FpmBatch",
+    "FpmGenerationState",
     "FpmProgress",
     "FpmSample",
     "GenerationState",

@@ -3,7 +3,8 @@
 Runs in the `enginectl` process, on one asyncio loop: a `Planner` (planner.py) follows every
 target's FPM stream (heartbeats included; a broken stream reconnects and resumes), and a
 trainer client per target reads its data-parallel size once and its weight version at each
-refresh, so every rank the server has gets a row, also before its first sample. A frame is a
+refresh, so every rank the server has gets a row, also before its first sample; a row's STATE
+is the rank's generation state (RUNNING, PAUSED/<who holds it>, APPLYING). A frame is a
 plain value (`TopFrame`): JSON with `-o json`, else `render_top` draws it, redrawn in place
 with plain ANSI on a terminal (no curses), printed frame after frame otherwise.
 """
@@ -57,6 +58,8 @@ class TopRank:
     age_s: float | None = None  # since the sample arrived here (the planner's clock)
     weight_revision: int | None = None
     sequence: int | None = None
+    generation_state: str | None = None  # RUNNING, PAUSED or APPLYING (FpmGenerationState)
+    pause_reason: str | None = None  # who holds the pause ("UNSPECIFIED" while running)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,8 @@ def build_frame(planner: Planner, targets: dict[str, _Target], interval: float, 
             r.age_s,
             s.weight_revision,
             s.sequence,
+            generation_state=s.generation_state.value,
+            pause_reason=s.pause_reason,
         )
     endpoints = []
     for name, target in targets.items():
@@ -168,16 +173,23 @@ def render_top(frame: TopFrame) -> str:
             for e in frame.endpoints
         ],
     )
+
+    def generation(r: TopRank) -> str | None:
+        if r.generation_state == "PAUSED":
+            return f"PAUSED/{r.pause_reason}"
+        return r.generation_state
+
     errors = [f"{e.target}: {e.error}" for e in frame.endpoints if e.error]
     if frame.verdict:
         errors.append(f"verdict: {frame.verdict} ({frame.detail})")
     ranks = table(
-        ("ENDPOINT", "WORKER", "RANK", "RUNNING", "WAITING", "PREFILL", "DECODE", "KV", "IDLE", "AGE", "REV"),
+        ("ENDPOINT", "WORKER", "RANK", "STATE", "RUNNING", "WAITING", "PREFILL", "DECODE", "KV", "IDLE", "AGE", "REV"),
         [
             (
                 r.endpoint,
                 r.worker_id,
                 r.dp_rank,
+                generation(r),
                 r.num_running,
                 r.num_waiting,
                 r.prefill_tokens,

@@ -28,6 +28,25 @@ class SampleKind(str, enum.Enum):
     HEARTBEAT = "HEARTBEAT"
 
 
+class FpmGenerationState(str, enum.Enum):
+    """What a rank's generation was doing when it made a sample (the proto's GenerationState;
+    named apart from `GenerationState`, which is GetGenerationState's answer)."""
+
+    UNSPECIFIED = "UNSPECIFIED"  # a server that does not report it
+    RUNNING = "RUNNING"
+    PAUSED = "PAUSED"  # `pause_reason` says who holds the pause
+    APPLYING = "APPLYING"  # a weight update is writing the rank's weights
+
+
+def _enum_name(enum_type: object, value: int, prefix: str) -> str:
+    """The proto enum value's name without `prefix`; "UNSPECIFIED" for a value this client
+    does not know (a newer server)."""
+    try:
+        return str(enum_type.Name(value)).removeprefix(prefix)  # type: ignore[attr-defined]
+    except ValueError:
+        return "UNSPECIFIED"
+
+
 @dataclass(frozen=True)
 class ScheduledRequests:
     """The requests one scheduler step executed (Dynamo's ScheduledRequestMetrics)."""
@@ -75,12 +94,23 @@ class FpmSample:
     sequence: int
     weight_revision: int
     schema_version: int
+    generation_state: FpmGenerationState = FpmGenerationState.UNSPECIFIED
+    # Who holds the pause while PAUSED or APPLYING: "CALLER", "UPDATE", "PARTIAL_UPDATE" or
+    # "EXTERNAL" (the names of GenerationState.reason); "UNSPECIFIED" while RUNNING.
+    pause_reason: str = "UNSPECIFIED"
+
+    @property
+    def generating(self) -> bool:
+        """Whether the rank ran generation when it made the sample: RUNNING, or UNSPECIFIED
+        (a server that does not report its state, taken as running, as before it could)."""
+        return self.generation_state in (FpmGenerationState.RUNNING, FpmGenerationState.UNSPECIFIED)
 
     @classmethod
     def from_proto(cls, msg: fpm_pb2.ForwardPassMetrics) -> FpmSample:
         s, q = msg.scheduled, msg.queued
         emit = msg.emit_time.ToDatetime(tzinfo=timezone.utc) if msg.HasField("emit_time") else None
-        kind = fpm_pb2.SampleKind.Name(msg.kind).removeprefix("SAMPLE_KIND_")
+        kind = _enum_name(fpm_pb2.SampleKind, msg.kind, "SAMPLE_KIND_")
+        state = _enum_name(fpm_pb2.GenerationState, msg.generation_state, "GENERATION_STATE_")
         return cls(
             worker_id=msg.worker_id,
             dp_rank=msg.dp_rank,
@@ -115,6 +145,8 @@ class FpmSample:
             sequence=msg.sequence,
             weight_revision=msg.weight_revision,
             schema_version=msg.schema_version,
+            generation_state=FpmGenerationState(state),
+            pause_reason=_enum_name(fpm_pb2.PauseReason, msg.pause_reason, "PAUSE_REASON_"),
         )
 
 

@@ -3,7 +3,9 @@
 Runs in a planner or autoscaler process; imports neither torch nor vLLM (grpc.aio only).
 
 - `FleetView` (pure, no I/O): the latest sample per (endpoint, worker_id, dp_rank) with its
-  age, every sample counted per endpoint and worker id, and `reconcile`.
+  age and the rank's generation state (running, paused and why, applying an update), the
+  latest sample it made while generating, every sample counted per endpoint and worker id,
+  and `reconcile`.
 - `Planner` (asyncio): one StreamForwardPassMetrics per endpoint, heartbeats included, no
   server-side filter (so unattributed samples are seen and counted, never silently
   dropped). A broken stream reconnects with exponential backoff and resumes after the last
@@ -36,6 +38,7 @@ from enginectl.client.client import ChannelConfig
 from enginectl.client.errors import EnginectlError, Reason
 from enginectl.client.fpm import (
     FpmBatch,
+    FpmGenerationState,
     FpmProgress,
     FpmSample,
     stream_forward_pass_metrics,
@@ -60,13 +63,34 @@ class Verdict(str, enum.Enum):
 
 @dataclass(frozen=True)
 class RankState:
-    """The latest sample of one rank of one endpoint, and how long ago it arrived."""
+    """The latest sample of one rank of one endpoint, and how long ago it arrived.
+
+    A load model leaves pauses and weight updates out by reading `last_running` (the newest
+    sample the rank made while generating, `sample` itself when it is generating now) instead
+    of `sample`, or by skipping ranks that are not `generating` (docs/fpm.md).
+    """
 
     endpoint: str
     worker_id: str
     dp_rank: int
     sample: FpmSample
     age_s: float
+    last_running: FpmSample | None = None  # None: no generating sample since (re)start
+
+    @property
+    def generation_state(self) -> FpmGenerationState:
+        """What the rank's generation is doing, as of its latest sample."""
+        return self.sample.generation_state
+
+    @property
+    def pause_reason(self) -> str:
+        """Who holds the rank's pause while PAUSED or APPLYING ("UNSPECIFIED" while running)."""
+        return self.sample.pause_reason
+
+    @property
+    def generating(self) -> bool:
+        """Whether the rank's latest sample says it generates (see FpmSample.generating)."""
+        return self.sample.generating
 
 
 @dataclass(frozen=True)
@@ -96,27 +120,33 @@ class FleetView:
     A rank has one identity at a time: its newest sample replaces the previous one whatever
     worker id either carries, so a rank that was unattributed stops being so after its
     identity is set. Ages use the planner's monotonic clock at arrival (no host clock skew).
+    Each rank also keeps its newest sample made while generating (`RankState.last_running`).
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._latest: dict[tuple[str, int], tuple[FpmSample, float]] = {}
+        self._running: dict[tuple[str, int], FpmSample] = {}
         self._counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
     def record(self, endpoint: str, sample: FpmSample) -> None:
-        self._latest[(endpoint, sample.dp_rank)] = (sample, self._clock())
+        key = (endpoint, sample.dp_rank)
+        self._latest[key] = (sample, self._clock())
+        if sample.generating:
+            self._running[key] = sample
         self._counts[endpoint][sample.worker_id] += 1
 
     def forget(self, endpoint: str) -> None:
         """Drop an endpoint's latest samples (it restarted); its counts stay."""
         for key in [k for k in self._latest if k[0] == endpoint]:
             del self._latest[key]
+            self._running.pop(key, None)
 
     def latest(self, workers: Collection[str] | None = None) -> list[RankState]:
         """Every rank's latest sample, optionally only those of `workers`, by (endpoint, rank)."""
         now = self._clock()
         return [
-            RankState(endpoint, sample.worker_id, rank, sample, now - arrived)
+            RankState(endpoint, sample.worker_id, rank, sample, now - arrived, self._running.get((endpoint, rank)))
             for (endpoint, rank), (sample, arrived) in sorted(self._latest.items())
             if workers is None or sample.worker_id in workers
         ]

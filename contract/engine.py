@@ -69,6 +69,9 @@ class Utility(str, enum.Enum):
     # PauseGeneration and ResumeGeneration in one round trip per rank.
     PAUSE = "enginectl_pause"
     RESUME = "enginectl_resume"
+    # Say who holds the pause in effect (a PauseReason) without touching the scheduler: what
+    # the rank's FPM samples report (docs/fpm.md).
+    HOLD = "enginectl_hold"
     FINISH_UPDATE = "enginectl_finish_update"
     SET_WORKER_IDENTITY = "enginectl_set_worker_identity"
     GET_WORKER_IDENTITY = "enginectl_get_worker_identity"
@@ -123,6 +126,17 @@ class RankFailure(str, enum.Enum):
 
 
 # --- generation state (Utility.GENERATION_STATE, FINISH_UPDATE) ----------------------------
+
+
+class PauseReason(str, enum.Enum):
+    """Who holds a rank's pause: the names and meanings of enginectl.weights.v1.PauseReason.
+    The server passes it with Utility.PAUSE and HOLD; a pause made any other way (vLLM's own
+    API) is EXTERNAL. The rank's FPM samples report it (worker/fpm/generation.py)."""
+
+    CALLER = "CALLER"
+    UPDATE = "UPDATE"
+    PARTIAL_UPDATE = "PARTIAL_UPDATE"
+    EXTERNAL = "EXTERNAL"
 
 
 class RankGenerationState(msgspec.Struct, frozen=True):

@@ -33,6 +33,7 @@ from enginectl.contract.engine import (
     GroupSpec,
     LoadPlan,
     LoadResult,
+    PauseReason,
     RankFailure,
     RankGenerationState,
     RankIdentity,
@@ -257,11 +258,19 @@ class EngineAdapter:
     async def resume(self) -> None:
         await self._call_all(VllmUtility.RESUME_SCHEDULER.value)
 
-    async def pause_reporting(self, mode: str, clear_cache: bool) -> list[RankGenerationState]:
+    async def pause_reporting(
+        self, mode: str, clear_cache: bool, reason: PauseReason = PauseReason.CALLER
+    ) -> list[RankGenerationState]:
         """`pause`, answering every rank's state from just before it: one round trip per rank
-        (needs enginectl's EngineCore utilities)."""
-        answers = await self._call_all(Utility.PAUSE.value, mode, clear_cache)
+        (needs enginectl's EngineCore utilities). `reason` holds the pause from now on (what
+        the ranks' FPM samples report)."""
+        answers = await self._call_all(Utility.PAUSE.value, mode, clear_cache, reason.value)
         return [read(RankGenerationState, r) for r in answers]
+
+    async def hold(self, reason: PauseReason) -> None:
+        """Every rank's pause in effect is held by `reason` from now on (what their FPM
+        samples report); the schedulers are not touched."""
+        await self._call_all(Utility.HOLD.value, reason.value)
 
     async def resume_reporting(self) -> list[RankGenerationState]:
         """`resume`, answering every rank's state from just before it (one round trip per rank)."""

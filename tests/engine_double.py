@@ -23,6 +23,7 @@ from enginectl.contract.engine import (
     LoadError,
     LoadPlan,
     LoadResult,
+    PauseReason,
     RankGenerationState,
     WorkerDigest,
 )
@@ -46,6 +47,7 @@ class EngineDouble:
     running: int = 0
     waiting: int = 0
     paused: bool = False
+    holder: PauseReason | None = None  # who holds the pause, as the last PAUSE or HOLD named it
     weights: str = "A"  # what is "loaded": the digest is derived from it
     version: str | None = None  # stamped on outputs
     calls: list[str] = field(default_factory=list)
@@ -88,10 +90,17 @@ class EngineDouble:
         self.calls.append("resume")
         self.paused = False
 
-    async def pause_reporting(self, mode: str, clear_cache: bool) -> list[RankGenerationState]:
+    async def pause_reporting(
+        self, mode: str, clear_cache: bool, reason: PauseReason = PauseReason.CALLER
+    ) -> list[RankGenerationState]:
         before = await self.generation_state()
         await self.pause(mode, clear_cache)
+        self.holder = reason
         return before
+
+    async def hold(self, reason: PauseReason) -> None:
+        if self.paused:
+            self.holder = reason
 
     async def resume_reporting(self) -> list[RankGenerationState]:
         before = await self.generation_state()

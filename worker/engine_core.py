@@ -4,16 +4,39 @@ Runs inside each EngineCore process: imported by enginectl's scheduler (worker/f
 the weight worker extension (the worker runs in the EngineCore process on single-worker
 engines). The `enginectl serve` process calls them on every rank, by the names of the engine
 contract (contract/engine.py `Utility`); they run on the engine thread, between two steps.
+
+They also keep the rank's generation state for its FPM samples (worker/fpm/generation.py,
+held by enginectl's scheduler; nothing to keep under another scheduler): who paused, and
+APPLYING while a weight load runs. The load is a worker RPC (WorkerRpc.LOAD) the server sends
+through vLLM's `collective_rpc` utility, so that utility is wrapped here: a LOAD marks the rank
+APPLYING for exactly its duration, with no round trip of its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
-from enginectl.contract.engine import FinishUpdate, RankGenerationState, Utility, WorkerRpc, read, wire
+from enginectl.contract.engine import (
+    FinishUpdate,
+    PauseReason,
+    RankGenerationState,
+    Utility,
+    VllmUtility,
+    WorkerRpc,
+    read,
+    wire,
+)
+from enginectl.worker.fpm.generation import RankGeneration
+
+
+def _generation(core: EngineCore) -> RankGeneration | None:
+    """The rank's generation state for its FPM samples (None under another scheduler)."""
+    generation = getattr(core.scheduler, "fpm_generation", None)
+    return generation if isinstance(generation, RankGeneration) else None
 
 
 def enginectl_generation_state(self: EngineCore) -> Any:
@@ -32,11 +55,17 @@ def enginectl_generation_state(self: EngineCore) -> Any:
     )
 
 
-def enginectl_pause(self: EngineCore, mode: str, clear_cache: bool) -> Any:
+def enginectl_pause(self: EngineCore, mode: str, clear_cache: bool, reason: str = PauseReason.CALLER.value) -> Any:
     """vLLM's pause_scheduler, answering this rank's RankGenerationState from just before it
-    (once the pause completed, as vLLM's own utility answers)."""
+    (once the pause completed, as vLLM's own utility answers). `reason` (a PauseReason) holds
+    the pause from now on, also when generation was paused already."""
     before = enginectl_generation_state(self)
-    pausing = self.pause_scheduler(mode, clear_cache)  # type: ignore[arg-type]
+    generation = _generation(self)
+    if generation is None:
+        pausing = self.pause_scheduler(mode, clear_cache)  # type: ignore[arg-type]
+    else:
+        with generation.pausing(PauseReason(reason)):
+            pausing = self.pause_scheduler(mode, clear_cache)  # type: ignore[arg-type]
     if pausing is None:
         return before
     answer: Future[Any] = Future()
@@ -57,6 +86,14 @@ def enginectl_resume(self: EngineCore) -> Any:
     before = enginectl_generation_state(self)
     self.resume_scheduler()
     return before
+
+
+def enginectl_hold(self: EngineCore, reason: str) -> None:
+    """The pause in effect on this rank is held by `reason` (a PauseReason) from now on; the
+    scheduler is not touched, and a running rank stays running."""
+    generation = _generation(self)
+    if generation is not None:
+        generation.hold(PauseReason(reason))
 
 
 def enginectl_finish_update(self: EngineCore, request_wire: Any) -> Any:
@@ -80,10 +117,37 @@ def enginectl_finish_update(self: EngineCore, request_wire: Any) -> Any:
         self.set_weight_version(request.version)
     if request.resume:
         self.resume_scheduler()
+    elif (generation := _generation(self)) is not None:
+        generation.update_finished_paused()
     return fingerprints
+
+
+# vLLM's own method (a second import of this module must not wrap the wrapper).
+_vllm_collective_rpc: Callable[..., list[Any]] = getattr(
+    EngineCore.collective_rpc, "__wrapped__", EngineCore.collective_rpc
+)
+
+
+def collective_rpc(
+    self: EngineCore,
+    method: Any,
+    timeout: float | None = None,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+) -> list[Any]:
+    """vLLM's collective_rpc (same signature: vLLM reads it to convert utility arguments);
+    a weight load (WorkerRpc.LOAD) marks the rank APPLYING while it runs."""
+    generation = _generation(self) if method == WorkerRpc.LOAD.value else None
+    if generation is None:
+        return _vllm_collective_rpc(self, method, timeout, args, kwargs)
+    with generation.applying():
+        return _vllm_collective_rpc(self, method, timeout, args, kwargs)
 
 
 setattr(EngineCore, Utility.GENERATION_STATE.value, enginectl_generation_state)
 setattr(EngineCore, Utility.FINISH_UPDATE.value, enginectl_finish_update)
 setattr(EngineCore, Utility.PAUSE.value, enginectl_pause)
 setattr(EngineCore, Utility.RESUME.value, enginectl_resume)
+setattr(EngineCore, Utility.HOLD.value, enginectl_hold)
+collective_rpc.__wrapped__ = _vllm_collective_rpc  # type: ignore[attr-defined]
+setattr(EngineCore, VllmUtility.COLLECTIVE_RPC.value, collective_rpc)

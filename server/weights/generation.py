@@ -4,7 +4,9 @@ Runs in the `enginectl serve` process, on the control loop. The pause state and 
 update live together because every rule reads both: a caller's pause during an update only
 marks generation to stay paused after it; ABORT and WAIT need an idle engine; a partial
 update holds generation paused until an update succeeds or a forced resume
-(docs/architecture.md, "The update state machine").
+(docs/architecture.md, "The update state machine"). Every pause made through enginectl's
+utilities names who holds it, with the same precedence as `state`, so each rank's FPM samples
+say the same (docs/fpm.md).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import grpc
+import structlog
 from google.protobuf import duration_pb2
 
-from enginectl.contract.engine import RankGenerationState
+from enginectl.contract.engine import PauseReason, RankGenerationState
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.limits import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
 from enginectl.server.weights.operations import UpdateOperation
@@ -25,6 +28,8 @@ from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 PAUSE_MODES = {pb2.PAUSE_MODE_ABORT: "abort", pb2.PAUSE_MODE_WAIT: "wait", pb2.PAUSE_MODE_KEEP: "keep"}
 PAUSE_MODE_PROTO = {name: mode for mode, name in PAUSE_MODES.items()}
+
+log = structlog.get_logger("enginectl.generation")
 
 
 class PauseEngine(Protocol):
@@ -38,7 +43,11 @@ class PauseEngine(Protocol):
 
     async def resume(self) -> None: ...
 
-    async def pause_reporting(self, mode: str, clear_cache: bool) -> list[RankGenerationState]: ...
+    async def pause_reporting(
+        self, mode: str, clear_cache: bool, reason: PauseReason = PauseReason.CALLER
+    ) -> list[RankGenerationState]: ...
+
+    async def hold(self, reason: PauseReason) -> None: ...
 
     async def resume_reporting(self) -> list[RankGenerationState]: ...
 
@@ -98,8 +107,22 @@ class Generation:
     async def set_partial(self, partial: bool) -> None:
         changed = partial != self.partial
         self.partial = partial
+        if changed and partial and self.utilities:
+            # The ranks' pause is the partial update's now (their FPM samples say so). On the
+            # failure path only; an operation must still end if the engine does not answer.
+            try:
+                await self._engine.hold(PauseReason.PARTIAL_UPDATE)
+            except ControlPlaneError:
+                log.exception("labelling the pause of a partial update failed")
         if changed and self.on_partial is not None:
             await self.on_partial(partial)
+
+    def _holder(self, reason: str) -> PauseReason:
+        """Who holds a pause made now for `reason` ("update" or "caller"), as `state` will
+        report it: a partial update holds over anyone."""
+        if self.partial:
+            return PauseReason.PARTIAL_UPDATE
+        return PauseReason.UPDATE if reason == "update" else PauseReason.CALLER
 
     def updating(self) -> bool:
         return self.active is not None and not self.active.done
@@ -161,7 +184,11 @@ class Generation:
     async def pause_engine(self, mode: str, clear_cache: bool, timeout: float | None, reason: str = "caller") -> None:
         """Pause every rank; with `timeout` (WAIT), asyncio.TimeoutError if requests did not
         drain. `reason`: who pauses ("update" or "caller"), if generation was running."""
-        call = self._engine.pause(mode, clear_cache)
+        call = (
+            self._engine.pause_reporting(mode, clear_cache, self._holder(reason))
+            if self.utilities
+            else self._engine.pause(mode, clear_cache)
+        )
         if timeout is None:
             await call
         else:
@@ -203,7 +230,7 @@ class Generation:
         started = time.monotonic()
         if self.utilities and mode != "wait":
             # KEEP and ABORT: one round trip per rank, which answers the state before pausing.
-            before = await self._engine.pause_reporting(mode, request.clear_cache)
+            before = await self._engine.pause_reporting(mode, request.clear_cache, self._holder("caller"))
             self._paused(mode, "caller")
             return await self._paused_answer(mode, before, started)
         before = await self.ranks()

@@ -33,6 +33,7 @@ from enginectl.contract.engine import (
     FinishUpdate,
     LoadPlan,
     LoadResult,
+    PauseReason,
     Source,
     WorkerDigest,
 )
@@ -497,11 +498,14 @@ class WeightUpdates:
                 # hold it paused all the same; the weights may be mixed.
                 await gen.pause_engine("keep", False, None, reason="update")
         else:
-            if paused_by_update and not gen.caller_paused and not gen.partial:
-                try:
+            try:
+                if paused_by_update and not gen.caller_paused and not gen.partial:
                     await gen.resume_engine()
-                except ControlPlaneError:
-                    log.exception("resume after a failed update failed", operation=op.name)
+                elif paused_by_update and gen.caller_paused and gen.utilities:
+                    # PauseGeneration(KEEP) arrived meanwhile: the pause is the caller's now.
+                    await self._engine.hold(PauseReason.CALLER)
+            except ControlPlaneError:
+                log.exception("resuming (or handing the pause over) after a failed update failed", operation=op.name)
         error = failure.error(op.name)
         if plan.group and failure.cause in BREAKING_CAUSES:
             await self.groups.drop(plan.group)

@@ -8,10 +8,14 @@ Runs inside each EngineCore process. Two threads touch it:
 - the publisher thread (owned here) drains the queue, builds the protobuf and sends it as a
   frame (contract/fpm.py) on a ZMQ XPUB socket connected to the relay's `ipc://` endpoint, and
   makes a HEARTBEAT sample whenever no sample was made for the heartbeat interval
-  (HeartbeatTimer).
+  (HeartbeatTimer);
+- the engine thread also makes a HEARTBEAT sample at once whenever the rank's generation
+  state changes (`state_changed`, called by RankGeneration): a pause, a resume, a weight load
+  starting or ending shows on the stream when it happens.
 
 Every sample is stamped, when it is made, with the identity held in the one WorkerIdentity
-of the rank, and gets the next `counter_id` (from 1, dropped samples included).
+of the rank and the generation state held in its one RankGeneration, and gets the next
+`counter_id` (from 1, dropped samples included).
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ import zmq
 from enginectl.contract.engine import EngineConfig
 from enginectl.contract.fpm import SCHEMA_VERSION, sample_frame
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
+from enginectl.worker.fpm.generation import RUNNING, GenerationStatus, RankGeneration
 from enginectl.worker.fpm.identity import IdentityState, WorkerIdentity
 from enginectl.worker.fpm.load import EMPTY_QUEUE, NO_STEP, QueuedLoad, ScheduledLoad
-from enginectl.worker.fpm.timing import DEFAULT_HEARTBEAT_INTERVAL_S, HeartbeatTimer
+from enginectl.worker.fpm.timing import DEFAULT_HEARTBEAT_INTERVAL_S, HeartbeatTimer, is_idle
 
 log = logging.getLogger("enginectl.worker.fpm")
 
@@ -83,6 +88,7 @@ class Sample(NamedTuple):
     num_running: int
     num_waiting: int
     dropped_since_last: int
+    generation: GenerationStatus = RUNNING
 
 
 def sample_proto(sample: Sample, dp_rank: int, incarnation: str) -> fpm_pb2.ForwardPassMetrics:
@@ -105,6 +111,8 @@ def sample_proto(sample: Sample, dp_rank: int, incarnation: str) -> fpm_pb2.Forw
         num_waiting=sample.num_waiting,
         dropped_since_last=sample.dropped_since_last,
         kind=sample.kind,
+        generation_state=sample.generation.state,
+        pause_reason=sample.generation.pause_reason,
     )
     msg.emit_time.FromNanoseconds(sample.emit_time_ns)
     return msg
@@ -120,11 +128,13 @@ class FpmPublisher:
         dp_rank: int,
         identity: WorkerIdentity,
         activity: Callable[[], tuple[int, int, int]],
+        generation: RankGeneration | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.dp_rank = dp_rank
         self.identity = identity
+        self.generation = generation if generation is not None else RankGeneration()
         # (steps in flight, running requests, waiting requests) of the rank, read on heartbeats
         self._activity = activity
         self._lock = threading.Lock()  # guards the counter, the drop count and the timer's clock
@@ -162,6 +172,14 @@ class FpmPublisher:
             with self._lock:
                 self._make(fpm_pb2.SAMPLE_KIND_STEP, wall_time, False, scheduled, num_running, num_waiting)
 
+    def state_changed(self) -> None:
+        """The rank's generation state changed: publish it now, as a heartbeat (never blocks)."""
+        in_flight, running, waiting = self._activity()
+        with self._lock:
+            self._make(
+                fpm_pb2.SAMPLE_KIND_HEARTBEAT, 0.0, is_idle(in_flight, running, waiting), NO_STEP, running, waiting
+            )
+
     # -- both threads, under the lock ------------------------------------------------------
     def _make(
         self,
@@ -191,6 +209,7 @@ class FpmPublisher:
                 num_running,
                 num_waiting,
                 self._dropped,
+                self.generation.current,
             )
         )
         self._dropped = 0

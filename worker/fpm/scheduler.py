@@ -7,6 +7,9 @@ when async scheduling is on, `Scheduler` otherwise), so scheduling itself is unc
 
 Importing this module also attaches the identity utilities to vLLM's EngineCore
 (engine_core.py here), so they exist in every process that runs this scheduler.
+
+The scheduler holds the rank's RankGeneration (generation.py): every pause and resume, vLLM's
+own included, goes through `set_pause_state`, which tells it.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
 import enginectl.worker.engine_core  # (generation state, for weight updates)
 import enginectl.worker.fpm.engine_core  # noqa: F401  (attaches the identity utilities)
 from enginectl.contract.engine import EngineConfig
+from enginectl.worker.fpm.generation import RankGeneration
 from enginectl.worker.fpm.identity import WorkerIdentity
 from enginectl.worker.fpm.load import queued_load, scheduled_load
 from enginectl.worker.fpm.publisher import FpmPublisher, PublisherConfig
@@ -33,13 +38,16 @@ if TYPE_CHECKING:
 
 class FpmScheduler(Scheduler):
     """vLLM's Scheduler that also times every step, computes its metrics from its own state
-    and hands them to the rank's FpmPublisher. Holds the rank's one WorkerIdentity."""
+    and hands them to the rank's FpmPublisher. Holds the rank's one WorkerIdentity and its one
+    RankGeneration."""
 
     fpm_identity: WorkerIdentity
+    fpm_generation: RankGeneration
     fpm_dp_rank: int
     fpm_publisher: FpmPublisher | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.fpm_generation = RankGeneration()  # before vLLM's init, which may set a pause state
         super().__init__(*args, **kwargs)
         engine_config = EngineConfig.load(self.vllm_config.additional_config)
         config = PublisherConfig.from_engine_config(engine_config)
@@ -56,13 +64,19 @@ class FpmScheduler(Scheduler):
                 dp_rank=self.fpm_dp_rank,
                 identity=self.fpm_identity,
                 activity=self._fpm_activity,
+                generation=self.fpm_generation,
             ).start()
+            self.fpm_generation.on_change = self.fpm_publisher.state_changed
 
     def _fpm_activity(self) -> tuple[int, int, int]:
         """(steps in flight, running, waiting), read by the heartbeat thread: lengths only,
         each a single atomic read."""
         running, waiting = self.get_request_counts()
         return len(self._fpm_pending), running, waiting
+
+    def set_pause_state(self, pause_state: PauseState) -> None:
+        super().set_pause_state(pause_state)
+        self.fpm_generation.scheduler_paused(pause_state != PauseState.UNPAUSED)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         start = time.perf_counter()

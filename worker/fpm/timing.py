@@ -50,4 +50,9 @@ class HeartbeatTimer:
         the heartbeat and call `sample_made`."""
         if self.seconds_until_due() > 0:
             return None
-        return steps_in_flight == 0 and num_running == 0 and num_waiting == 0
+        return is_idle(steps_in_flight, num_running, num_waiting)
+
+
+def is_idle(steps_in_flight: int, num_running: int, num_waiting: int) -> bool:
+    """A heartbeat's `idle` flag: no step in flight, no running and no waiting request."""
+    return steps_in_flight == 0 and num_running == 0 and num_waiting == 0

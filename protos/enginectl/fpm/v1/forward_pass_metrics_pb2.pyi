@@ -16,6 +16,10 @@ Two writers fill a sample:
     except `sequence` and `weight_revision`;
   - the server relay (in the `enginectl serve` process) stamps `sequence` and
     `weight_revision` when the sample enters its ring buffer.
+
+Every sample also says what the rank's generation was doing when it was made
+(`generation_state`, `pause_reason`), so a consumer can leave pauses and weight updates out
+of its load model instead of reading them as an idle or overloaded rank.
 """
 
 from google.protobuf import descriptor as _descriptor
@@ -47,8 +51,9 @@ class _SampleKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SampleKind
     """
     SAMPLE_KIND_HEARTBEAT: _SampleKind.ValueType  # 2
     """No step finished on this rank for `heartbeat_interval` (default 1 s): the rank is idle,
-    paused, or inside one long step. `scheduled` is all zero and `wall_time` is 0; `idle`
-    says which case it is.
+    paused, or inside one long step; or the rank's `generation_state` (or `pause_reason`)
+    just changed. `scheduled` is all zero and `wall_time` is 0; `idle` and
+    `generation_state` say which case it is.
     """
 
 class SampleKind(_SampleKind, metaclass=_SampleKindEnumTypeWrapper):
@@ -62,10 +67,100 @@ duration. `idle` is false.
 """
 SAMPLE_KIND_HEARTBEAT: SampleKind.ValueType  # 2
 """No step finished on this rank for `heartbeat_interval` (default 1 s): the rank is idle,
-paused, or inside one long step. `scheduled` is all zero and `wall_time` is 0; `idle`
-says which case it is.
+paused, or inside one long step; or the rank's `generation_state` (or `pause_reason`)
+just changed. `scheduled` is all zero and `wall_time` is 0; `idle` and
+`generation_state` say which case it is.
 """
 Global___SampleKind: _TypeAlias = SampleKind  # noqa: Y015
+
+class _GenerationState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GenerationStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GenerationState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GENERATION_STATE_UNSPECIFIED: _GenerationState.ValueType  # 0
+    """Unset: the sample comes from a publisher that does not report it (an older server).
+    Never sent by this version.
+    """
+    GENERATION_STATE_RUNNING: _GenerationState.ValueType  # 1
+    """The scheduler runs and admits requests: STEP samples describe the rank's load.
+    `pause_reason` is UNSPECIFIED.
+    """
+    GENERATION_STATE_PAUSED: _GenerationState.ValueType  # 2
+    """Generation is paused on this rank; `pause_reason` says who holds the pause. Requests that
+    arrive wait. No step runs, except while a WAIT pause lets the requests already running
+    finish (those STEP samples say PAUSED).
+    """
+    GENERATION_STATE_APPLYING: _GenerationState.ValueType  # 3
+    """A weight update is writing this rank's weights (enginectl's load runs on the rank's
+    engine thread): no step runs until it ends; heartbeats still come. `pause_reason` is the
+    pause the update runs under: UPDATE when the update paused generation itself.
+    """
+
+class GenerationState(_GenerationState, metaclass=_GenerationStateEnumTypeWrapper):
+    """What a rank's generation was doing when it made a sample. Every change is published at
+    once as a HEARTBEAT sample, so a window opens and closes on the stream when it does on the
+    rank, not up to `heartbeat_interval` later.
+    """
+
+GENERATION_STATE_UNSPECIFIED: GenerationState.ValueType  # 0
+"""Unset: the sample comes from a publisher that does not report it (an older server).
+Never sent by this version.
+"""
+GENERATION_STATE_RUNNING: GenerationState.ValueType  # 1
+"""The scheduler runs and admits requests: STEP samples describe the rank's load.
+`pause_reason` is UNSPECIFIED.
+"""
+GENERATION_STATE_PAUSED: GenerationState.ValueType  # 2
+"""Generation is paused on this rank; `pause_reason` says who holds the pause. Requests that
+arrive wait. No step runs, except while a WAIT pause lets the requests already running
+finish (those STEP samples say PAUSED).
+"""
+GENERATION_STATE_APPLYING: GenerationState.ValueType  # 3
+"""A weight update is writing this rank's weights (enginectl's load runs on the rank's
+engine thread): no step runs until it ends; heartbeats still come. `pause_reason` is the
+pause the update runs under: UPDATE when the update paused generation itself.
+"""
+Global___GenerationState: _TypeAlias = GenerationState  # noqa: Y015
+
+class _PauseReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PauseReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PauseReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PAUSE_REASON_UNSPECIFIED: _PauseReason.ValueType  # 0
+    """Not paused (GENERATION_STATE_RUNNING)."""
+    PAUSE_REASON_CALLER: _PauseReason.ValueType  # 1
+    """PauseGeneration: stays paused until ResumeGeneration, across any number of updates."""
+    PAUSE_REASON_UPDATE: _PauseReason.ValueType  # 2
+    """A weight update paused it and resumes it when it ends."""
+    PAUSE_REASON_PARTIAL_UPDATE: _PauseReason.ValueType  # 3
+    """An update failed after it began writing: the weights may be mixed. Stays paused until an
+    update succeeds or ResumeGeneration(force=true).
+    """
+    PAUSE_REASON_EXTERNAL: _PauseReason.ValueType  # 4
+    """Paused outside enginectl (e.g. vLLM's own HTTP `/pause`); ResumeGeneration resumes it."""
+
+class PauseReason(_PauseReason, metaclass=_PauseReasonEnumTypeWrapper):
+    """Who holds a pause. The same names, numbers and meanings as enginectl.weights.v1.PauseReason
+    (GetGenerationState's `reason`), per rank.
+    """
+
+PAUSE_REASON_UNSPECIFIED: PauseReason.ValueType  # 0
+"""Not paused (GENERATION_STATE_RUNNING)."""
+PAUSE_REASON_CALLER: PauseReason.ValueType  # 1
+"""PauseGeneration: stays paused until ResumeGeneration, across any number of updates."""
+PAUSE_REASON_UPDATE: PauseReason.ValueType  # 2
+"""A weight update paused it and resumes it when it ends."""
+PAUSE_REASON_PARTIAL_UPDATE: PauseReason.ValueType  # 3
+"""An update failed after it began writing: the weights may be mixed. Stays paused until an
+update succeeds or ResumeGeneration(force=true).
+"""
+PAUSE_REASON_EXTERNAL: PauseReason.ValueType  # 4
+"""Paused outside enginectl (e.g. vLLM's own HTTP `/pause`); ResumeGeneration resumes it."""
+Global___PauseReason: _TypeAlias = PauseReason  # noqa: Y015
 
 @_typing.final
 class ScheduledRequestMetrics(_message.Message):
@@ -208,6 +303,8 @@ class ForwardPassMetrics(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
     WEIGHT_REVISION_FIELD_NUMBER: _builtins.int
+    GENERATION_STATE_FIELD_NUMBER: _builtins.int
+    PAUSE_REASON_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     """Publisher. Layout version of this message: 1. Dynamo's `version`. Never 0 on the wire;
     a consumer that does not know the value should not interpret the sample.
@@ -282,6 +379,15 @@ class ForwardPassMetrics(_message.Message):
     around a weight update one sample may carry the neighbouring revision. Map revisions to
     version labels with WatchWeightVersion.
     """
+    generation_state: Global___GenerationState.ValueType
+    """Publisher. What the rank's generation was doing when the sample was made: RUNNING,
+    PAUSED or APPLYING (see GenerationState). Never UNSPECIFIED from this version on; a
+    planner leaves samples that are not RUNNING out of its load model (docs/fpm.md).
+    """
+    pause_reason: Global___PauseReason.ValueType
+    """Publisher. Who holds the pause when `generation_state` is PAUSED or APPLYING; UNSPECIFIED
+    when RUNNING (see PauseReason).
+    """
     @_builtins.property
     def emit_time(self) -> _timestamp_pb2.Timestamp:
         """Publisher. Wall-clock time the sample was made: the end of the step for STEP samples,
@@ -320,10 +426,12 @@ class ForwardPassMetrics(_message.Message):
         kind: Global___SampleKind.ValueType = ...,
         sequence: _builtins.int = ...,
         weight_revision: _builtins.int = ...,
+        generation_state: Global___GenerationState.ValueType = ...,
+        pause_reason: Global___PauseReason.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["emit_time", b"emit_time", "queued", b"queued", "scheduled", b"scheduled"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counter_id", b"counter_id", "dp_rank", b"dp_rank", "dropped_since_last", b"dropped_since_last", "emit_time", b"emit_time", "identity_generation", b"identity_generation", "idle", b"idle", "incarnation", b"incarnation", "kind", b"kind", "kv_cache_usage", b"kv_cache_usage", "num_running", b"num_running", "num_waiting", b"num_waiting", "queued", b"queued", "scheduled", b"scheduled", "schema_version", b"schema_version", "sequence", b"sequence", "wall_time", b"wall_time", "weight_revision", b"weight_revision", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counter_id", b"counter_id", "dp_rank", b"dp_rank", "dropped_since_last", b"dropped_since_last", "emit_time", b"emit_time", "generation_state", b"generation_state", "identity_generation", b"identity_generation", "idle", b"idle", "incarnation", b"incarnation", "kind", b"kind", "kv_cache_usage", b"kv_cache_usage", "num_running", b"num_running", "num_waiting", b"num_waiting", "pause_reason", b"pause_reason", "queued", b"queued", "scheduled", b"scheduled", "schema_version", b"schema_version", "sequence", b"sequence", "wall_time", b"wall_time", "weight_revision", b"weight_revision", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

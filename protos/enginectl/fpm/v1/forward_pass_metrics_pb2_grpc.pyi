@@ -16,6 +16,10 @@ Two writers fill a sample:
     except `sequence` and `weight_revision`;
   - the server relay (in the `enginectl serve` process) stamps `sequence` and
     `weight_revision` when the sample enters its ring buffer.
+
+Every sample also says what the rank's generation was doing when it was made
+(`generation_state`, `pause_reason`), so a consumer can leave pauses and weight updates out
+of its load model instead of reading them as an idle or overloaded rank.
 """
 
 from collections import abc as _abc
