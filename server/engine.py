@@ -259,12 +259,12 @@ class EngineAdapter:
         await self._call_all(VllmUtility.RESUME_SCHEDULER.value)
 
     async def pause_reporting(
-        self, mode: str, clear_cache: bool, reason: PauseReason = PauseReason.CALLER
+        self, mode: str, clear_cache: bool, reason: PauseReason = PauseReason.CALLER, if_running: bool = False
     ) -> list[RankGenerationState]:
         """`pause`, answering every rank's state from just before it: one round trip per rank
         (needs enginectl's EngineCore utilities). `reason` holds the pause from now on (what
-        the ranks' FPM samples report)."""
-        answers = await self._call_all(Utility.PAUSE.value, mode, clear_cache, reason.value)
+        the ranks' FPM samples report). `if_running`: a rank paused already is left as it is."""
+        answers = await self._call_all(Utility.PAUSE.value, mode, clear_cache, reason.value, if_running)
         return [read(RankGenerationState, r) for r in answers]
 
     async def hold(self, reason: PauseReason) -> None:

@@ -123,8 +123,7 @@ class ControlPlaneMetrics:
                 self.update_seconds.labels(source=source, result=result)
         self.staged_bytes = Gauge(
             "enginectl_weight_staged_bytes",
-            "Bytes of the staged set waiting for CommitStagedWeights (per worker); 0 while "
-            "nothing is staged.",
+            "Bytes of the staged set waiting for CommitStagedWeights (per worker); 0 while nothing is staged.",
             registry=registry,
         )
         self.pauses = GenerationPauses(registry)

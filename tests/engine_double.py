@@ -91,9 +91,11 @@ class EngineDouble:
         self.paused = False
 
     async def pause_reporting(
-        self, mode: str, clear_cache: bool, reason: PauseReason = PauseReason.CALLER
+        self, mode: str, clear_cache: bool, reason: PauseReason = PauseReason.CALLER, if_running: bool = False
     ) -> list[RankGenerationState]:
         before = await self.generation_state()
+        if if_running and self.paused:
+            return before
         await self.pause(mode, clear_cache)
         self.holder = reason
         return before

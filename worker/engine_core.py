@@ -55,11 +55,16 @@ def enginectl_generation_state(self: EngineCore) -> Any:
     )
 
 
-def enginectl_pause(self: EngineCore, mode: str, clear_cache: bool, reason: str = PauseReason.CALLER.value) -> Any:
+def enginectl_pause(
+    self: EngineCore, mode: str, clear_cache: bool, reason: str = PauseReason.CALLER.value, if_running: bool = False
+) -> Any:
     """vLLM's pause_scheduler, answering this rank's RankGenerationState from just before it
     (once the pause completed, as vLLM's own utility answers). `reason` (a PauseReason) holds
-    the pause from now on, also when generation was paused already."""
+    the pause from now on, also when generation was paused already; with `if_running`, a
+    rank paused already is left as it is (an update reads the state and pauses in one trip)."""
     before = enginectl_generation_state(self)
+    if if_running and read(RankGenerationState, before).paused:
+        return before
     generation = _generation(self)
     if generation is None:
         pausing = self.pause_scheduler(mode, clear_cache)  # type: ignore[arg-type]

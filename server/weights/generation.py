@@ -44,7 +44,7 @@ class PauseEngine(Protocol):
     async def resume(self) -> None: ...
 
     async def pause_reporting(
-        self, mode: str, clear_cache: bool, reason: PauseReason = PauseReason.CALLER
+        self, mode: str, clear_cache: bool, reason: PauseReason = PauseReason.CALLER, if_running: bool = False
     ) -> list[RankGenerationState]: ...
 
     async def hold(self, reason: PauseReason) -> None: ...
@@ -202,6 +202,16 @@ class Generation:
             if self._on_pause is not None:
                 self._on_pause(reason)
         self.mode = mode
+
+    async def pause_if_running(self, mode: str) -> tuple[list[RankGenerationState], bool]:
+        """An update's pause (KEEP or ABORT; needs enginectl's utilities) in one round trip per
+        rank instead of two: each rank answers its state from just before and pauses with
+        `mode` only if it was running. (states before, every rank was running and is paused now)."""
+        before = await self._engine.pause_reporting(mode, False, self._holder("update"), if_running=True)
+        paused = not any(r.paused for r in before)
+        if paused:
+            self._paused(mode, "update")
+        return before, paused
 
     async def resume_engine(self) -> None:
         await self._engine.resume()

@@ -400,11 +400,15 @@ class WeightUpdates:
         requests in flight at the start, seconds the pause took)."""
         gen = self.generation
         pause_started = time.monotonic()
-        before = await gen.ranks()
+        paused_by_update = False
+        if gen.utilities and plan.pause_mode != "wait":  # the state read and the pause: one trip
+            self._phase(op, pb2.UPDATE_PHASE_PAUSING)
+            before, paused_by_update = await gen.pause_if_running(plan.pause_mode)
+        else:
+            before = await gen.ranks()
         gen.ranks_at_update_start = before
         in_flight = sum(r.running + r.waiting for r in before)
-        paused_by_update = False
-        if not any(r.paused for r in before):
+        if not paused_by_update and not any(r.paused for r in before):  # WAIT, or no utilities
             self._phase(op, pb2.UPDATE_PHASE_PAUSING)
             try:
                 await gen.pause_engine(
@@ -422,7 +426,7 @@ class WeightUpdates:
                     modified=False,
                 ) from None
             paused_by_update = True
-        elif gen.partial and not gen.caller_paused:
+        elif not paused_by_update and gen.partial and not gen.caller_paused:
             # Held paused by an earlier partial update: a success here resumes.
             paused_by_update = True
         op.metadata.paused_by_update = paused_by_update
@@ -432,11 +436,14 @@ class WeightUpdates:
     async def _finish(self, plan: UpdatePlan, resume: bool) -> VersionState:
         """After a successful load: reset the cache, fingerprint, stamp and record the version."""
         if self.generation.utilities:
-            # Cache reset, fingerprint, version stamp and resume: one round trip per rank.
+            # Cache reset, version stamp and resume: one round trip per rank. The declaration's
+            # fingerprint (a pass over the weights: tens of ms) follows, generation running:
+            # no update can change the weights before this one is recorded.
             token = uuid.uuid4().hex if plan.version is not None else ""
             # No version: the new weights are undeclared, and so are the tokens they generate.
             label = plan.version if plan.version is not None else UNDECLARED_LABEL
-            digests = await self._engine.finish_update(FinishUpdate(plan.reset_cache, token, label, resume))
+            await self._engine.finish_update(FinishUpdate(plan.reset_cache, "", label, resume))
+            digests = await self._engine.declare_fingerprint(token) if token else []
             fingerprint = self.fingerprints.declared(token, digests) if token else None
             return await self._ledger.record_update(plan.version, plan.source, fingerprint, published=True)
         if plan.reset_cache:
