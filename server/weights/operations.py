@@ -55,6 +55,13 @@ class UpdateOperation:
     def touch(self) -> None:
         self.metadata.update_time.FromNanoseconds(time.time_ns())
 
+    def set_phase(self, phase: pb2.UpdatePhase.ValueType) -> None:
+        """The update (and every rank of it) is in `phase` now."""
+        self.metadata.phase = phase
+        for rank in self.metadata.ranks:
+            rank.phase = phase
+        self.touch()
+
     async def follow_progress(self, reports: Callable[[], Awaitable[tuple[int, int, int]]], ranks: int) -> None:
         """Fold the workers' progress reports ((dp_rank, tensors, bytes) from `reports`, the
         update's channels) into the metadata, until cancelled; totals count once every one of

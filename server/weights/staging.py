@@ -177,7 +177,7 @@ class Staging:
         )
         feeding: asyncio.Future[None] | None = None
         try:
-            _phase(op, pb2.UPDATE_PHASE_RECEIVING)
+            op.set_phase(pb2.UPDATE_PHASE_RECEIVING)
             worker_plan = LoadPlan(
                 source=WORKER_SOURCE[plan.source],
                 files=tuple(str(f) for f in plan.files),
@@ -210,7 +210,7 @@ class Staging:
             if errors:
                 raise UpdateFailed(errors[0][0], errors[0][1], modified=False)
             self._ready(staged, results)
-            _phase(op, pb2.UPDATE_PHASE_STAGED)
+            op.set_phase(pb2.UPDATE_PHASE_STAGED)
             op.finish(response=self._response(staged, results, started))
             log.info(
                 "weights staged",
@@ -270,7 +270,7 @@ class Staging:
         except ControlPlaneError:
             log.warning("dropping a failed stage on the workers failed", operation=op.name)
         error = failure.error(op.name)
-        _phase(op, pb2.UPDATE_PHASE_FAILED)
+        op.set_phase(pb2.UPDATE_PHASE_FAILED)
         op.failure = error
         op.finish(error=to_status(error))
         log.warning("stage failed", operation=op.name, cause=failure.cause, message=failure.message)
@@ -361,13 +361,6 @@ WORKER_SOURCE = {
     WeightSource.TENSORS: Source.TENSORS,
     WeightSource.DISTRIBUTED: Source.DISTRIBUTED,
 }
-
-
-def _phase(op: UpdateOperation, phase: pb2.UpdatePhase.ValueType) -> None:
-    op.metadata.phase = phase
-    for rank in op.metadata.ranks:
-        rank.phase = phase
-    op.touch()
 
 
 async def _follow(op: UpdateOperation, channels: UpdateChannels, workers: set[tuple[int, int]]) -> None:

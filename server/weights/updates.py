@@ -7,7 +7,8 @@ not paused and resume after, reset the prefix cache, record the version only on 
 through the ledger's single writer, and on a failure after writing began leave the version
 undeclared with `last_failure` and generation paused (generation.py).
 
-Workers (worker/weights/) do the loading; this module reaches them through the typed
+Pausing for an update, finishing it and its two endings are in update_steps.py; stages in
+staging.py. Workers (worker/weights/) do the loading; this module reaches them through the typed
 EngineAdapter and feeds them over per-update ZMQ channels (channels.py).
 """
 
@@ -28,12 +29,10 @@ import zmq.asyncio
 
 from enginectl.common.vocabulary import WeightSource
 from enginectl.contract.engine import (
-    UNDECLARED_LABEL,
     Cause,
     FinishUpdate,
     LoadPlan,
     LoadResult,
-    PauseReason,
     Source,
     WorkerDigest,
 )
@@ -44,12 +43,13 @@ from enginectl.server.weights.channels import UpdateChannels
 from enginectl.server.weights.disk import TensorInfo
 from enginectl.server.weights.fingerprints import FingerprintEngine, WeightFingerprints
 from enginectl.server.weights.generation import Generation, PauseEngine
-from enginectl.server.weights.groups import BREAKING_CAUSES, GroupEngine, UpdateGroups, backends
-from enginectl.server.weights.ledger import Failure, Fingerprint, VersionState, WeightVersionLedger
+from enginectl.server.weights.groups import GroupEngine, UpdateGroups, backends
+from enginectl.server.weights.ledger import Fingerprint, WeightVersionLedger
 from enginectl.server.weights.operations import OperationStore, UpdateOperation
-from enginectl.server.weights.outcome import UpdateFailed, UpdatePause, success_response
+from enginectl.server.weights.outcome import UpdateFailed, UpdatePause
 from enginectl.server.weights.plans import UpdatePlan, UpdateValidator
 from enginectl.server.weights.staging import DEFAULT_TTL_S, STAGED_PREFIX, StagedSet, Staging, StagingEngine
+from enginectl.server.weights.update_steps import UpdateSteps
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_pb2 as wv_pb2
 from enginectl.weights.v1 import weight_version_service_pb2 as wvs_pb2
@@ -89,7 +89,7 @@ class UpdateEngine(PauseEngine, GroupEngine, FingerprintEngine, StagingEngine, P
     def errored(self) -> bool: ...
 
 
-class WeightUpdates:
+class WeightUpdates(UpdateSteps):
     """Generation pause state, weight updates and fingerprints of one engine."""
 
     def __init__(
@@ -230,10 +230,6 @@ class WeightUpdates:
                 raise
         await self.fingerprints.sampled()
 
-    async def declaration_fingerprint(self) -> Fingerprint:
-        """Recorded at every declaration (see fingerprints.py)."""
-        return await self.fingerprints.declaration()
-
     async def verify(self, full: bool) -> tuple[wvs_pb2.VerifyVerdict.ValueType, Fingerprint | None, Fingerprint]:
         """(verdict, recorded, current) for VerifyWeights."""
         return await self.fingerprints.verify(self._ledger.state, full)
@@ -314,12 +310,6 @@ class WeightUpdates:
         finally:
             self.groups.in_use.discard(plan.group)
 
-    def _phase(self, op: UpdateOperation, phase: pb2.UpdatePhase.ValueType) -> None:
-        op.metadata.phase = phase
-        for rank in op.metadata.ranks:
-            rank.phase = phase
-        op.touch()
-
     async def _run(
         self, op: UpdateOperation, op_id: str, plan: UpdatePlan, feed: Feed | None, lock: asyncio.Lock
     ) -> None:
@@ -344,7 +334,7 @@ class WeightUpdates:
                 self._ledger.check_etag(plan.etag)
             except ControlPlaneError as exc:
                 raise UpdateFailed(Cause.ETAG_MISMATCH, exc.message, modified=False, metadata=exc.metadata) from None
-            self._phase(op, pb2.UPDATE_PHASE_RECEIVING if feed or plan.group else pb2.UPDATE_PHASE_LOADING)
+            op.set_phase(pb2.UPDATE_PHASE_RECEIVING if feed or plan.group else pb2.UPDATE_PHASE_LOADING)
             results = await self._load(op, plan, channels, deadline, feed)
             marks.append(("load", time.monotonic()))
             errors = [(r.error.cause, r.error.message) for r in results if r.error is not None]
@@ -356,7 +346,7 @@ class WeightUpdates:
                 raise UpdateFailed(cause, message, modified=modified)
             op.metadata.weights_modified = modified
             resumed = pause.resumes and not gen.caller_paused
-            self._phase(op, pb2.UPDATE_PHASE_FINGERPRINTING)
+            op.set_phase(pb2.UPDATE_PHASE_FINGERPRINTING)
             state = await self._finish(plan, resumed)
             marks.append(("finish", time.monotonic()))
             lock.release()
@@ -369,7 +359,7 @@ class WeightUpdates:
                 if gen.caller_paused:  # PauseGeneration(KEEP) arrived while we finished
                     await gen.pause_engine("keep", False, None)
                     resumed = False
-            self._phase(op, pb2.UPDATE_PHASE_DONE)
+            op.set_phase(pb2.UPDATE_PHASE_DONE)
             self._succeeded(op, plan, state, results, started, pause, resumed, marks)
             if plan.stage_token:  # the staged set is consumed (its buffer kept for the next)
                 await self.staging.committed(plan.stage_token)
@@ -394,145 +384,6 @@ class WeightUpdates:
             self.groups.in_use.discard(plan.group)
             if gen.active is op:
                 gen.active = None
-
-    async def _pause_for(self, op: UpdateOperation, plan: UpdatePlan, deadline: float) -> UpdatePause:
-        """Pause generation for the update unless it is paused already: (paused by the update,
-        requests in flight at the start, seconds the pause took)."""
-        gen = self.generation
-        pause_started = time.monotonic()
-        paused_by_update = False
-        if gen.utilities and plan.pause_mode != "wait":  # the state read and the pause: one trip
-            self._phase(op, pb2.UPDATE_PHASE_PAUSING)
-            before, paused_by_update = await gen.pause_if_running(plan.pause_mode)
-        else:
-            before = await gen.ranks()
-        gen.ranks_at_update_start = before
-        in_flight = sum(r.running + r.waiting for r in before)
-        if not paused_by_update and not any(r.paused for r in before):  # WAIT, or no utilities
-            self._phase(op, pb2.UPDATE_PHASE_PAUSING)
-            try:
-                await gen.pause_engine(
-                    plan.pause_mode,
-                    False,
-                    None if plan.pause_mode != "wait" else max(deadline - time.time(), 0.0),
-                    reason="update",
-                )
-            except asyncio.TimeoutError:
-                await gen.resume_engine()  # WAIT stopped admitting requests: undo it
-                raise UpdateFailed(
-                    Cause.UPDATE_TIMEOUT,
-                    "requests did not drain (pause_mode WAIT) within the "
-                    f"update's timeout ({plan.timeout:.3f}s); generation was resumed",
-                    modified=False,
-                ) from None
-            paused_by_update = True
-        elif not paused_by_update and gen.partial and not gen.caller_paused:
-            # Held paused by an earlier partial update: a success here resumes.
-            paused_by_update = True
-        op.metadata.paused_by_update = paused_by_update
-        caller_held = not paused_by_update and gen.caller_paused
-        return UpdatePause(paused_by_update, in_flight, time.monotonic() - pause_started, caller_held)
-
-    async def _finish(self, plan: UpdatePlan, resume: bool) -> VersionState:
-        """After a successful load: reset the cache, fingerprint, stamp and record the version."""
-        if self.generation.utilities:
-            # Cache reset, version stamp and resume: one round trip per rank. The declaration's
-            # fingerprint (a pass over the weights: tens of ms) follows, generation running:
-            # no update can change the weights before this one is recorded.
-            token = uuid.uuid4().hex if plan.version is not None else ""
-            # No version: the new weights are undeclared, and so are the tokens they generate.
-            label = plan.version if plan.version is not None else UNDECLARED_LABEL
-            await self._engine.finish_update(FinishUpdate(plan.reset_cache, "", label, resume))
-            digests = await self._engine.declare_fingerprint(token) if token else []
-            fingerprint = self.fingerprints.declared(token, digests) if token else None
-            return await self._ledger.record_update(plan.version, plan.source, fingerprint, published=True)
-        if plan.reset_cache:
-            await self._engine.reset_prefix_cache()
-        fingerprint = await self.declaration_fingerprint() if plan.version is not None else None
-        return await self._ledger.record_update(plan.version, plan.source, fingerprint)
-
-    def _succeeded(
-        self,
-        op: UpdateOperation,
-        plan: UpdatePlan,
-        state: VersionState,
-        results: list[LoadResult],
-        started: float,
-        pause: UpdatePause,
-        resumed: bool,
-        marks: list[tuple[str, float]],
-    ) -> None:
-        op.finish(response=success_response(plan, state, results, started, pause, resumed))
-        self._report(op, plan, "ok", sum(r.bytes_loaded for r in results))
-        log.info(
-            "weights updated",
-            operation=op.name,
-            source=plan.source.value,
-            version=plan.version,
-            tensors=len(plan.tensors),
-            bytes=plan.bytes_total,
-            seconds=round(time.monotonic() - started, 3),
-            # Where the time went: pausing, receiving and loading, the finishing round trip
-            # (cache reset, fingerprint, version stamp, resume).
-            phases_ms={
-                name: round((at - before) * 1e3, 1)
-                for (name, at), before in zip(marks, [started] + [at for _, at in marks], strict=False)
-            },
-        )
-
-    async def _fail(self, op: UpdateOperation, plan: UpdatePlan, failure: UpdateFailed, paused_by_update: bool) -> None:
-        gen = self.generation
-        self._phase(op, pb2.UPDATE_PHASE_FAILED)
-        op.metadata.weights_modified = failure.modified
-        if failure.modified:
-            await gen.set_partial(True)
-            self._ledger.record_failure(
-                Failure(  # the write lock is still held (see _run)
-                    reason=Reason.PARTIAL_UPDATE,
-                    cause=failure.cause,
-                    message=failure.message,
-                    time=time.time(),
-                    attempted_version=plan.version or "",
-                    operation=op.name,
-                )
-            )
-            try:  # tokens generated over mixed weights (after a forced resume) name no version
-                await self._engine.set_weight_version(UNDECLARED_LABEL)
-            except ControlPlaneError:
-                log.exception("unstamping the version after a partial update failed", operation=op.name)
-            if not paused_by_update:
-                # Generation was running under someone else's pause (e.g. vLLM's own API):
-                # hold it paused all the same; the weights may be mixed.
-                await gen.pause_engine("keep", False, None, reason="update")
-        else:
-            try:
-                if paused_by_update and not gen.caller_paused and not gen.partial:
-                    await gen.resume_engine()
-                elif paused_by_update and gen.caller_paused and gen.utilities:
-                    # PauseGeneration(KEEP) arrived meanwhile: the pause is the caller's now.
-                    await self._engine.hold(PauseReason.CALLER)
-            except ControlPlaneError:
-                log.exception("resuming (or handing the pause over) after a failed update failed", operation=op.name)
-        error = failure.error(op.name)
-        if plan.group and failure.cause in BREAKING_CAUSES:
-            await self.groups.drop(plan.group)
-        op.failure = error
-        op.finish(error=to_status(error))
-        cancelled = failure.cause == Cause.UPDATE_CANCELLED
-        self._report(op, plan, "partial" if failure.modified else "cancelled" if cancelled else "failed", 0)
-        log.warning(
-            "weight update failed",
-            operation=op.name,
-            cause=failure.cause,
-            partial=failure.modified,
-            message=failure.message,
-        )
-
-    def _report(self, op: UpdateOperation, plan: UpdatePlan, result: str, nbytes: int) -> None:
-        """Tell `on_finished` how `op` ended; its duration is the Operation's (end_time - start_time)."""
-        if self._on_finished is not None:
-            nanos = op.metadata.end_time.ToNanoseconds() - op.metadata.start_time.ToNanoseconds()
-            self._on_finished(plan.source.value.lower(), result, nbytes, max(nanos, 0) / 1e9)
 
     async def _load(
         self, op: UpdateOperation, plan: UpdatePlan, channels: UpdateChannels, deadline: float, feed: Feed | None
