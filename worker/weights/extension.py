@@ -36,7 +36,7 @@ from enginectl.worker.weights.fingerprints import FingerprintMixin, weight_acces
 from enginectl.worker.weights.groups import GroupsMixin, typed_view
 from enginectl.worker.weights.ipc import IpcTensors
 from enginectl.worker.weights.ranks import dp_rank, global_rank
-from enginectl.worker.weights.staging import StagingMixin, disk_tensors
+from enginectl.worker.weights.staging import StagingMixin
 
 
 @dataclass
@@ -142,6 +142,16 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin):
 # Every worker RPC of the contract is a method here (vLLM's collective_rpc calls it by name).
 _missing = [rpc.value for rpc in WorkerRpc if not callable(getattr(EnginectlWorkerExtension, rpc.value, None))]
 assert not _missing, f"worker RPCs without a method: {_missing}"
+
+
+def disk_tensors(plan: LoadPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a disk update's files, in file order."""
+    from safetensors import safe_open
+
+    for file in plan.files:
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
 
 
 def _nbytes(spec: TensorSpec) -> int:

@@ -20,6 +20,7 @@ about 7x slower than reused ones on a busy host (docs/weights.md, "Two-phase upd
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 import zlib
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
@@ -94,10 +96,10 @@ class StagingMixin:
         buffer = _buffer(state, total)
         staged = state.current = _Staged(plan.stage_token, plan.source, plan.tensors, offsets, buffer)
         channel = Channel(plan, rank)  # from here on used by the staging thread only
-        source = None if plan.source == Source.TENSORS else self._enginectl_stage_source(plan, channel)
+        source = self._enginectl_stage_source(plan, channel) if plan.source == Source.DISTRIBUTED else None
         thread = threading.Thread(
             target=_stage,
-            args=(staged, source, channel, rank, worker),
+            args=(staged, source, plan.files, channel, rank, worker),
             name=f"enginectl-stage-{plan.stage_token[:8]}",
             daemon=True,
         )
@@ -106,12 +108,8 @@ class StagingMixin:
         return wire(StageAck(rank, worker))
 
     def _enginectl_stage_source(self, plan: LoadPlan, channel: Channel) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors of a disk or broadcast stage (lazy: they are read on the staging thread)."""
-        if plan.source == Source.DISK:
-            return disk_tensors(plan)
-        if plan.source == Source.DISTRIBUTED:
-            return self._enginectl_broadcast_tensors(plan, channel)  # type: ignore[attr-defined]
-        raise Abort(Cause.LOAD_FAILED, f"{plan.source.value} updates can not be staged")
+        """The tensors of a broadcast stage (lazy: they are received on the staging thread)."""
+        return self._enginectl_broadcast_tensors(plan, channel)  # type: ignore[attr-defined]
 
     def enginectl_stage_result(self, token: str) -> Any:
         """How this worker's staging of `token` ended (done False while it still runs)."""
@@ -163,16 +161,6 @@ class StagingMixin:
                 return
 
 
-def disk_tensors(plan: LoadPlan) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a disk update's files, in file order."""
-    from safetensors import safe_open
-
-    for file in plan.files:
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
-
-
 def _layout(specs: tuple[TensorSpec, ...]) -> tuple[list[int], int]:
     """Byte offsets of `specs` back to back, and their total."""
     offsets, total = [], 0
@@ -209,6 +197,7 @@ def _drop(state: _StagingState, free: bool) -> int:
 def _stage(
     staged: _Staged,
     source: Iterator[tuple[str, torch.Tensor]] | None,
+    files: tuple[str, ...],
     channel: Channel,
     rank: int,
     worker: int,
@@ -216,10 +205,14 @@ def _stage(
     """The staging thread: receive every tensor into the buffer, digest it, report."""
     total = staged.buffer.numel()
     try:
-        if source is None:
+        if staged.source == Source.TENSORS:
             _receive_stream(staged, channel)
-        else:
+        elif staged.source == Source.DISK:
+            _read_files(staged, files, channel)
+        elif source is not None:
             _copy_tensors(staged, source, channel)
+        else:
+            raise Abort(Cause.LOAD_FAILED, f"{staged.source.value} updates can not be staged")
         digest = _digest(staged)
         result = StageResult(rank, worker, done=True, tensors=len(staged.specs), nbytes=total, digest=digest)
     except Abort as exc:
@@ -260,7 +253,7 @@ def _copy_tensors(staged: _Staged, source: Iterator[tuple[str, torch.Tensor]], c
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         if data.numel() != size:
             raise Abort(Cause.DATA_SIZE_MISMATCH, f"{name}: {data.numel()} bytes; its spec holds {size}")
-        staged.buffer[staged.offsets[i] : staged.offsets[i] + size].copy_(data)
+        _copy(staged, staged.offsets[i], data.numpy())
         seen.add(i)
         nbytes += size
         channel.progress(len(seen), nbytes)
@@ -271,16 +264,66 @@ def _copy_tensors(staged: _Staged, source: Iterator[tuple[str, torch.Tensor]], c
 
 def _receive_stream(staged: _Staged, channel: Channel) -> None:
     """Tensor-stream chunks straight into the buffer (the stream's layout is the buffer's)."""
-    view = memoryview(staged.buffer.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
     total, received, complete = staged.buffer.numel(), 0, 0
     while received < total:
         _check(staged, channel)
         chunk = channel.recv()  # an abort (a short stream, CancelOperation, a timeout) raises
-        view[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
+        _copy(staged, chunk.offset, np.frombuffer(chunk.data, dtype=np.uint8))
         received = chunk.offset + len(chunk.data)
         while complete < len(staged.specs) and _end(staged, complete) <= received:
             complete += 1
         channel.progress(complete, received)
+
+
+def _copy(staged: _Staged, offset: int, data: np.ndarray) -> None:
+    """`data` into the buffer at `offset`: numpy's copy releases the GIL and uses no thread
+    pool (torch's copy_ would run on the intra-op threads the model's forward pass uses)."""
+    np.copyto(staged.buffer.numpy()[offset : offset + data.size], data)
+
+
+READ_BYTES = 8 << 20  # a disk stage reads this much per call (stop and abort checks between)
+
+
+def _read_files(staged: _Staged, files: tuple[str, ...], channel: Channel) -> None:
+    """A disk stage: every tensor's bytes read from the safetensors files straight into its
+    place in the buffer (one copy, from the page cache; the read releases the GIL). The
+    server checked the headers; they are read again here, and the sizes checked."""
+    index = {spec.name: i for i, spec in enumerate(staged.specs)}
+    buffer = staged.buffer.numpy()
+    done: set[int] = set()
+    nbytes = 0
+    for file in files:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+            base = 8 + length
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                i = index.get(name)
+                if i is None or i in done:
+                    raise Abort(Cause.LOAD_FAILED, f"{name}: in {file} but not in the update's tensors, or twice")
+                start, end = meta["data_offsets"]
+                size = dtypes.nbytes(staged.specs[i].dtype, staged.specs[i].shape)
+                if end - start != size:
+                    raise Abort(
+                        Cause.DATA_SIZE_MISMATCH, f"{name}: {end - start} bytes in {file}; its spec holds {size}"
+                    )
+                position = staged.offsets[i]
+                while position < staged.offsets[i] + size:
+                    _check(staged, channel)
+                    count = min(READ_BYTES, staged.offsets[i] + size - position)
+                    target = memoryview(buffer[position : position + count])  # type: ignore[arg-type]
+                    got = os.preadv(f.fileno(), [target], base + start + position - staged.offsets[i])
+                    if got <= 0:
+                        raise Abort(Cause.LOAD_FAILED, f"{file} ends inside {name}")
+                    position += got
+                done.add(i)
+                nbytes += size
+                channel.progress(len(done), nbytes)
+    if len(done) != len(staged.specs):
+        missing = next(spec.name for i, spec in enumerate(staged.specs) if i not in done)
+        raise Abort(Cause.LOAD_FAILED, f"{len(staged.specs) - len(done)} tensor(s) in no file, e.g. {missing}")
 
 
 def _end(staged: _Staged, i: int) -> int:
