@@ -7,7 +7,8 @@ Runs in the `python -m bench` process, which only orchestrates: a worker subproc
 Llama's); then, per checkpoint, an `enginectl serve` subprocess serves it
 (VLLM_SERVER_DEV_MODE=1 for vLLM's /pause, /resume and /collective_rpc routes) and
 `python -m bench.weights_clients run` measures every figure, its baseline and the floors
-(bench/floors.py) interleaved, rep by rep, on that server and the same bytes.
+(bench/floors.py) interleaved, rep by rep, on that server and the same bytes; then
+bench/staging.py measures two-phase updates (stage, commit, discard) on the same server.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import staging
 from bench.checkpoints import Checkpoint, checkpoints
 
 PAUSE_TARGET_FLOORS = 1.5  # pause + resume within 1.5x two engine round trips
@@ -95,6 +97,7 @@ def measure(ckpt: Checkpoint, model: Path, quick: bool) -> dict[str, Any]:
             result = worker.expect("result", 1800)
         finally:
             worker.finish()
+        result["staging"] = staging.measure(server, model, quick)
     finally:
         stop = server.stop()
         if stop.get("children_left"):
@@ -106,7 +109,7 @@ def measure(ckpt: Checkpoint, model: Path, quick: bool) -> dict[str, Any]:
 
 
 def phase_medians(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per update kind (the bench's version prefix: disk, gloo, gloo-1x, tensors, ipc), the
+    """Per update kind (the bench's version prefix: disk, gloo, gloo-1x, tensors, ipc, commit), the
     median of each phase of the server's "weights updated" events (server/weights/updates.py)."""
     by_kind: dict[str, dict[str, list[float]]] = {}
     for event in events:
@@ -136,7 +139,7 @@ def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _checkpoint_figures(key: str, ck: dict[str, Any]) -> list[dict[str, Any]]:
-    """The pause row and the three update rows of one checkpoint, each with its floor."""
+    """The pause row, the update rows and the two-phase rows (bench/staging.py) of one checkpoint."""
     what = f"{ck['label']} ({ck['num_tensors']} tensors, {ck['payload_bytes'] / 1e6:.0f} MB)"
     pause, trip = ck["pause"], ck["engine_round_trip_floor"]
     ours_ms, http_ms = pause["enginectl"]["median_ms"], pause["vllm_http"]["median_ms"]
@@ -206,6 +209,8 @@ def _checkpoint_figures(key: str, ck: dict[str, Any]) -> list[dict[str, Any]]:
                 "floor": f"memcpy {copy['gb_per_s']:.3f} GB/s = {copy['median_ms']:.0f} ms",
             }
         )
+    if "staging" in ck:
+        out += staging.figures(what, key, ck["staging"], copy)
     return out
 
 
@@ -275,11 +280,14 @@ def _checkpoint_table(ck: dict[str, Any]) -> list[str]:
             "Where an update's time goes (the server's own phase timings, `phases_ms` of its "
             '"weights updated" log line; medians, ms): *pause* pauses generation, *load* receives '
             "and loads on every rank, *finish* is one round trip per rank (prefix-cache reset, "
-            "sampled fingerprint, version stamp, resume).",
+            "sampled fingerprint, version stamp, resume). A *commit* of staged weights loads "
+            "from the worker's staging buffer (bench/staging.py).",
             "",
             "| update | pause | load | finish |",
             "|---|---|---|---|",
         ]
         for kind, p in sorted(phases.items()):
             lines.append(f"| {kind} | {p.get('pause', '')} | {p.get('load', '')} | {p.get('finish', '')} |")
+    if "staging" in ck:
+        lines += staging.markdown(ck["staging"])
     return lines
