@@ -20,7 +20,7 @@ import grpc
 from enginectl.common import dtypes
 from enginectl.common.buckets import MAX_BUCKET_BYTES
 from enginectl.common.vocabulary import WeightSource
-from enginectl.contract.engine import IpcHandle, TensorSpec
+from enginectl.contract.engine import IpcHandle, LoadPlan, Source, TensorSpec
 from enginectl.server.errors import ControlPlaneError, FieldViolation, Reason, invalid_field
 from enginectl.server.limits import (
     MAX_SHAPE_RANK,
@@ -29,6 +29,7 @@ from enginectl.server.limits import (
     MAX_TENSORS,
     MAX_VIOLATIONS,
 )
+from enginectl.server.weights.channels import UpdateChannels
 from enginectl.server.weights.disk import TensorInfo, read_header, resolve_checkpoint
 from enginectl.server.weights.generation import parse_pause_mode, parse_timeout
 from enginectl.server.weights.groups import UpdateGroups, check_group_name
@@ -62,6 +63,21 @@ class UpdatePlan:
 
     def specs(self) -> tuple[TensorSpec, ...]:
         return tuple(TensorSpec(t.name, t.dtype, t.shape) for t in self.tensors)
+
+    def worker_plan(self, source: Source, channels: UpdateChannels, deadline: float) -> LoadPlan:
+        """What every worker is asked to load (or stage), through `channels`."""
+        return LoadPlan(
+            source=source,
+            files=tuple(str(f) for f in self.files),
+            tensors=self.specs(),
+            group=self.group,
+            data_endpoints=channels.data_endpoints,
+            progress_endpoint=channels.progress_endpoint,
+            deadline=deadline,
+            bucket_bytes=self.bucket_bytes,
+            handles=self.handles,
+            stage_token=self.stage_token,
+        )
 
     def key(self) -> tuple[Any, ...]:
         """What makes two requests with one request_id the same request."""

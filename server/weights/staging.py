@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -178,16 +178,8 @@ class Staging:
         feeding: asyncio.Future[None] | None = None
         try:
             op.set_phase(pb2.UPDATE_PHASE_RECEIVING)
-            worker_plan = LoadPlan(
-                source=WORKER_SOURCE[plan.source],
-                files=tuple(str(f) for f in plan.files),
-                tensors=plan.specs(),
-                group=plan.group,
-                data_endpoints=channels.data_endpoints,
-                progress_endpoint=channels.progress_endpoint,
-                deadline=deadline,
-                bucket_bytes=plan.bucket_bytes,
-                stage_token=staged.token,
+            worker_plan = replace(plan, stage_token=staged.token).worker_plan(
+                WORKER_SOURCE[plan.source], channels, deadline
             )
             acks = await self._engine.stage(worker_plan)
             if feed is not None:
@@ -290,12 +282,7 @@ class Staging:
                     f"{name} expired (kept {self.ttl:.0f}s) and was dropped; stage again",
                     metadata={"name": name},
                 )
-            raise ControlPlaneError(
-                grpc.StatusCode.NOT_FOUND,
-                Reason.STAGED_WEIGHTS_NOT_FOUND,
-                f"no staged set {name} (never staged, discarded, or committed already)",
-                metadata={"name": name},
-            )
+            raise _not_found(name)
         if not staged.ready:
             raise ControlPlaneError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -323,12 +310,7 @@ class Staging:
         if staged is None or staged.name != name:
             if allow_missing:
                 return False, 0
-            raise ControlPlaneError(
-                grpc.StatusCode.NOT_FOUND,
-                Reason.STAGED_WEIGHTS_NOT_FOUND,
-                f"no staged set {name}",
-                metadata={"name": name},
-            )
+            raise _not_found(name)
         if not staged.ready:
             cancel(staged.operation)
         self._clear()
@@ -361,6 +343,15 @@ WORKER_SOURCE = {
     WeightSource.TENSORS: Source.TENSORS,
     WeightSource.DISTRIBUTED: Source.DISTRIBUTED,
 }
+
+
+def _not_found(name: str) -> ControlPlaneError:
+    return ControlPlaneError(
+        grpc.StatusCode.NOT_FOUND,
+        Reason.STAGED_WEIGHTS_NOT_FOUND,
+        f"no staged set {name} (never staged, discarded, or committed already)",
+        metadata={"name": name},
+    )
 
 
 async def _follow(op: UpdateOperation, channels: UpdateChannels, workers: set[tuple[int, int]]) -> None:

@@ -388,17 +388,8 @@ class WeightUpdates(UpdateSteps):
     async def _load(
         self, op: UpdateOperation, plan: UpdatePlan, channels: UpdateChannels, deadline: float, feed: Feed | None
     ) -> list[LoadResult]:
-        worker_plan = LoadPlan(
-            source=Source.STAGED if plan.stage_token else WORKER_SOURCE[plan.source],
-            files=tuple(str(f) for f in plan.files),
-            tensors=plan.specs(),
-            group=plan.group,
-            data_endpoints=channels.data_endpoints,
-            progress_endpoint=channels.progress_endpoint,
-            deadline=deadline,
-            bucket_bytes=plan.bucket_bytes,
-            handles=plan.handles,
-            stage_token=plan.stage_token,
+        worker_plan = plan.worker_plan(
+            Source.STAGED if plan.stage_token else WORKER_SOURCE[plan.source], channels, deadline
         )
         load = asyncio.ensure_future(self._engine.load(worker_plan, timeout=plan.timeout + RPC_GRACE_S))
         progress = asyncio.ensure_future(op.follow_progress(channels.next_progress, self._ranks))

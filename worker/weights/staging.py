@@ -257,9 +257,7 @@ def _copy_tensors(staged: _Staged, source: Iterator[tuple[str, torch.Tensor]], c
         seen.add(i)
         nbytes += size
         channel.progress(len(seen), nbytes)
-    if len(seen) != len(staged.specs):
-        missing = next(spec.name for i, spec in enumerate(staged.specs) if i not in seen)
-        raise Abort(Cause.LOAD_FAILED, f"{len(staged.specs) - len(seen)} tensor(s) never arrived, e.g. {missing}")
+    _all_arrived(staged, seen)
 
 
 def _receive_stream(staged: _Staged, channel: Channel) -> None:
@@ -321,9 +319,13 @@ def _read_files(staged: _Staged, files: tuple[str, ...], channel: Channel) -> No
                 done.add(i)
                 nbytes += size
                 channel.progress(len(done), nbytes)
-    if len(done) != len(staged.specs):
-        missing = next(spec.name for i, spec in enumerate(staged.specs) if i not in done)
-        raise Abort(Cause.LOAD_FAILED, f"{len(staged.specs) - len(done)} tensor(s) in no file, e.g. {missing}")
+    _all_arrived(staged, done)
+
+
+def _all_arrived(staged: _Staged, arrived: set[int]) -> None:
+    if len(arrived) != len(staged.specs):
+        missing = next(spec.name for i, spec in enumerate(staged.specs) if i not in arrived)
+        raise Abort(Cause.LOAD_FAILED, f"{len(staged.specs) - len(arrived)} tensor(s) never arrived, e.g. {missing}")
 
 
 def _end(staged: _Staged, i: int) -> int:
