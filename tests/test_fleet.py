@@ -274,7 +274,16 @@ def test_cli_fleet_update_status_and_verify(
 CHAOS_SEED = 20261201
 # Every kind of step at least once, in an order the seed shuffles (the first and last stay
 # updates, so the run starts and ends by moving the fleet).
-CHAOS_MIDDLE = ["update-loose", "trainer-killed", "identity", "stage-discarded", "sigterm", "update", "identity"]
+CHAOS_MIDDLE = [
+    "update-loose",
+    "trainer-killed",
+    "identity",
+    "stage-discarded",
+    "stage-cancelled",
+    "sigterm",
+    "update",
+    "identity",
+]
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6], [5, 5, 5, 5, 5, 5]]
 
 
@@ -451,6 +460,13 @@ def run_step(
     elif step == "stage-discarded":
         stage = fleet.stage_from_disk(path, new)
         fleet.discard(stage)
+    elif step == "stage-cancelled":  # CancelOperation of one server's stage, whenever it lands
+        with TrainerClient(next(iter(members))) as c:
+            op = c.start_stage_from_disk(path, new)
+            c.cancel_operation(op.name)
+            done = c.wait_operation(op.name)
+        assert done.done and (done.error is None or done.error.reason == Reason.UPDATE_CANCELLED), done
+        fleet.discard_staged()
     elif step == "trainer-killed":
         x, y = list(members)
         child = Child("fleet-stage", f"{x},{y}", str(checkpoints.file(other)), new, "300000")
