@@ -24,13 +24,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import fpm, fpm_publish, rollouts_grpc, weights
+from bench import fleet, fpm, fpm_publish, rollouts_grpc, weights
 from bench.harness import ServeProcess
 from bench.procs import Worker, baseline_server, enginectl_server, rollout_driver
 from bench.run_report import TARGETS, figures, markdown
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PHASES = ("latency", "rollouts", "throughput", "grpc_rollouts", "fpm", "fpm_publish", "weights")
+PHASES = ("latency", "rollouts", "throughput", "grpc_rollouts", "fpm", "fpm_publish", "weights", "fleet")
 DIAGNOSTIC_VARIANTS = ("bare-uvloop", "intercepted-nolog", "intercepted", "controlplane")
 
 
@@ -402,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             results["fpm_publish"] = fpm_publish.phase(args.quick)
         if "weights" in phases:  # its own server on a bigger synthetic model
             results["weights"] = weights.phase(args.quick)
+        if "fleet" in phases:  # its own two servers on the same synthetic model
+            results["fleet"] = fleet.phase(args.quick)
         results["enginectl_log_lines"] = eng.lines_seen
     finally:
         for name in reversed(list(servers)):

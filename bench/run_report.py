@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from bench import fpm, fpm_publish, rollouts_grpc, weights
+from bench import fleet, fpm, fpm_publish, rollouts_grpc, weights
 from bench.stats import ratio
 
 TARGETS = {  # bench/README.md, figures 1-3 and 7
@@ -115,6 +115,7 @@ def figures(results: dict) -> list[dict]:
     out += fpm.figures(results)
     out += fpm_publish.figures(results)
     out += weights.figures(results)
+    out += fleet.figures(results)
     return out
 
 
@@ -217,6 +218,7 @@ def markdown(results: dict) -> str:
     lines += fpm.markdown(results)
     lines += fpm_publish.markdown(results)
     lines += weights.markdown(results)
+    lines += fleet.markdown(results)
     if results.get("notes"):
         lines += [""] + [f"- {n}" for n in results["notes"]]
     return "\n".join(lines) + "\n"
