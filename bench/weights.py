@@ -280,14 +280,18 @@ def _checkpoint_table(ck: dict[str, Any]) -> list[str]:
             "Where an update's time goes (the server's own phase timings, `phases_ms` of its "
             '"weights updated" log line; medians, ms): *pause* pauses generation, *load* receives '
             "and loads on every rank, *finish* is one round trip per rank (prefix-cache reset, "
-            "sampled fingerprint, version stamp, resume). A *commit* of staged weights loads "
+            "version stamp, resume: generation is paused until it ends), *fingerprint* the "
+            "declaration's sampled fingerprint, taken after generation resumed. A *commit* of staged weights loads "
             "from the worker's staging buffer (bench/staging.py).",
             "",
-            "| update | pause | load | finish |",
-            "|---|---|---|---|",
+            "| update | pause | load | finish | fingerprint |",
+            "|---|---|---|---|---|",
         ]
         for kind, p in sorted(phases.items()):
-            lines.append(f"| {kind} | {p.get('pause', '')} | {p.get('load', '')} | {p.get('finish', '')} |")
+            lines.append(
+                f"| {kind} | {p.get('pause', '')} | {p.get('load', '')} | {p.get('finish', '')} | "
+                f"{p.get('fingerprint', '')} |"
+            )
     if "staging" in ck:
         lines += staging.markdown(ck["staging"])
     return lines

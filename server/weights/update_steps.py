@@ -87,8 +87,9 @@ class UpdateSteps:
         caller_held = not paused_by_update and gen.caller_paused
         return UpdatePause(paused_by_update, in_flight, time.monotonic() - pause_started, caller_held)
 
-    async def _finish(self, plan: UpdatePlan, resume: bool) -> VersionState:
-        """After a successful load: reset the cache, fingerprint, stamp and record the version."""
+    async def _finish(self, plan: UpdatePlan, resume: bool, marks: list[tuple[str, float]]) -> VersionState:
+        """After a successful load: reset the cache, stamp, resume, fingerprint and record the
+        version; `marks` gets "finish" (generation resumed) and "fingerprint"."""
         if self.generation.utilities:
             # Cache reset, version stamp and resume: one round trip per rank. The declaration's
             # fingerprint (a pass over the weights: tens of ms) follows, generation running:
@@ -97,12 +98,16 @@ class UpdateSteps:
             # No version: the new weights are undeclared, and so are the tokens they generate.
             label = plan.version if plan.version is not None else UNDECLARED_LABEL
             await self._engine.finish_update(FinishUpdate(plan.reset_cache, "", label, resume))
+            marks.append(("finish", time.monotonic()))
             digests = await self._engine.declare_fingerprint(token) if token else []
+            marks.append(("fingerprint", time.monotonic()))
             fingerprint = self.fingerprints.declared(token, digests) if token else None
             return await self._ledger.record_update(plan.version, plan.source, fingerprint, published=True)
         if plan.reset_cache:
             await self._engine.reset_prefix_cache()
+        marks.append(("finish", time.monotonic()))
         fingerprint = await self.declaration_fingerprint() if plan.version is not None else None
+        marks.append(("fingerprint", time.monotonic()))
         return await self._ledger.record_update(plan.version, plan.source, fingerprint)
 
     def _succeeded(
@@ -127,7 +132,8 @@ class UpdateSteps:
             bytes=plan.bytes_total,
             seconds=round(time.monotonic() - started, 3),
             # Where the time went: pausing, receiving and loading, the finishing round trip
-            # (cache reset, fingerprint, version stamp, resume).
+            # (cache reset, version stamp, resume: generation is paused until it ends), and
+            # the declaration's fingerprint, taken after generation resumed.
             phases_ms={
                 name: round((at - before) * 1e3, 1)
                 for (name, at), before in zip(marks, [started] + [at for _, at in marks], strict=False)

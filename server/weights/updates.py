@@ -347,8 +347,7 @@ class WeightUpdates(UpdateSteps):
             op.metadata.weights_modified = modified
             resumed = pause.resumes and not gen.caller_paused
             op.set_phase(pb2.UPDATE_PHASE_FINGERPRINTING)
-            state = await self._finish(plan, resumed)
-            marks.append(("finish", time.monotonic()))
+            state = await self._finish(plan, resumed, marks)
             lock.release()
             holding = False
             await gen.set_partial(False)
