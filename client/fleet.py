@@ -234,6 +234,7 @@ class AsyncFleet:
                 await client._unary(client._updates.UpdateWeightsFromDistributed, request, None)
             )
 
+        etags = await self._etags()
         started = await self._each(start)
         if any(isinstance(op, EnginectlError) for op in started.values()):
             # Nobody broadcasts: stop the stages that began (their workers wait for data).
@@ -251,7 +252,7 @@ class AsyncFleet:
         )
         if isinstance(sent[0], BaseException) and all(o.ok for o in outcomes.values()):
             outcomes = {t: ServerOutcome(t, _local_error(sent[0])) for t in outcomes}
-        return await self._staged_or_discard(version, outcomes, {})
+        return await self._staged_or_discard(version, outcomes, etags)
 
     async def _stage_results(
         self, started: dict[str, UpdateOperation | EnginectlError], progress: bool = False
@@ -309,8 +310,6 @@ class AsyncFleet:
         if not all(o.ok for o in outcomes.values()):
             await self._discard_all(outcomes)
             raise FleetStageError("a stage failed; every staged set was discarded, no server changed", outcomes)
-        if not etags:  # a broadcast stage: the fence is the version as the stage ended
-            etags = await self._etags()
         self.last_stage = FleetStage(version, outcomes, etags)
         return self.last_stage
 

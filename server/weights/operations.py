@@ -62,24 +62,32 @@ class UpdateOperation:
             rank.phase = phase
         self.touch()
 
-    async def follow_progress(self, reports: Callable[[], Awaitable[tuple[int, int, int]]], ranks: int) -> None:
+    async def follow_progress(self, reports: Callable[[], Awaitable[tuple[int, int, int]]]) -> None:
         """Fold the workers' progress reports ((dp_rank, tensors, bytes) from `reports`, the
-        update's channels) into the metadata, until cancelled; totals count once every one of
-        the `ranks` reported."""
+        update's channels) into the metadata, until cancelled."""
         done: dict[int, tuple[int, int]] = {}
         while True:
-            rank, tensors, nbytes = await reports()
-            done[rank] = (tensors, nbytes)
-            for progress in self.metadata.ranks:
-                if progress.dp_rank == rank:
-                    progress.tensors_done, progress.bytes_done = tensors, nbytes
+            self.record_progress(done, *await reports())
+
+    def record_progress(
+        self, done: dict[int, tuple[int, int]], rank: int, tensors: int, nbytes: int, *, writing: bool = True
+    ) -> None:
+        """One worker's report into the metadata (`done`: the latest report per rank); the
+        totals count once every rank reported. `writing`: the tensors went into the model
+        (a load), not into a staging buffer."""
+        done[rank] = (tensors, nbytes)
+        for progress in self.metadata.ranks:
+            if progress.dp_rank == rank:
+                progress.tensors_done, progress.bytes_done = tensors, nbytes
+                if writing:
                     progress.phase = pb2.UPDATE_PHASE_LOADING
-            self.metadata.tensors_done = min(t for t, _ in done.values()) if len(done) == ranks else 0
-            self.metadata.bytes_done = min(b for _, b in done.values()) if len(done) == ranks else 0
-            if self.metadata.tensors_done:
-                self.metadata.phase = pb2.UPDATE_PHASE_LOADING
-                self.metadata.weights_modified = True
-            self.touch()
+        complete = len(done) == len(self.metadata.ranks)
+        self.metadata.tensors_done = min(t for t, _ in done.values()) if complete else 0
+        self.metadata.bytes_done = min(b for _, b in done.values()) if complete else 0
+        if writing and self.metadata.tensors_done:
+            self.metadata.phase = pb2.UPDATE_PHASE_LOADING
+            self.metadata.weights_modified = True
+        self.touch()
 
     def finish(
         self, *, response: pb2.UpdateWeightsResponse | None = None, error: status_pb2.Status | None = None

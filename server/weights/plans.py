@@ -36,6 +36,20 @@ from enginectl.server.weights.groups import UpdateGroups, check_group_name
 from enginectl.server.weights.ipc import check_host, ipc_handles
 from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+from enginectl.weights.v1 import weight_version_pb2 as wv_pb2
+
+SOURCE_PROTO = {
+    WeightSource.DISK: wv_pb2.WEIGHT_SOURCE_DISK,
+    WeightSource.DISTRIBUTED: wv_pb2.WEIGHT_SOURCE_DISTRIBUTED,
+    WeightSource.TENSORS: wv_pb2.WEIGHT_SOURCE_TENSORS,
+    WeightSource.IPC: wv_pb2.WEIGHT_SOURCE_IPC,
+}
+WORKER_SOURCE = {
+    WeightSource.DISK: Source.DISK,
+    WeightSource.TENSORS: Source.TENSORS,
+    WeightSource.DISTRIBUTED: Source.DISTRIBUTED,
+    WeightSource.IPC: Source.IPC,
+}
 
 
 @dataclass
@@ -64,10 +78,11 @@ class UpdatePlan:
     def specs(self) -> tuple[TensorSpec, ...]:
         return tuple(TensorSpec(t.name, t.dtype, t.shape) for t in self.tensors)
 
-    def worker_plan(self, source: Source, channels: UpdateChannels, deadline: float) -> LoadPlan:
-        """What every worker is asked to load (or stage), through `channels`."""
+    def worker_plan(self, channels: UpdateChannels, deadline: float) -> LoadPlan:
+        """What every worker is asked to load, through `channels` (a commit: from the staged
+        set `stage_token`)."""
         return LoadPlan(
-            source=source,
+            source=Source.STAGED if self.stage_token else WORKER_SOURCE[self.source],
             files=tuple(str(f) for f in self.files),
             tensors=self.specs(),
             group=self.group,

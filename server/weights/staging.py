@@ -21,17 +21,17 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import grpc
+import msgspec
 import structlog
 import zmq.asyncio
 
-from enginectl.common.vocabulary import WeightSource
 from enginectl.contract import frames
-from enginectl.contract.engine import STAGED_DIGEST_METHOD, Cause, LoadPlan, Source, StageAck, StageResult
+from enginectl.contract.engine import STAGED_DIGEST_METHOD, Cause, LoadPlan, StageAck, StageResult
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, to_status
 from enginectl.server.limits import RPC_GRACE_S
 from enginectl.server.weights.channels import UpdateChannels
@@ -39,7 +39,7 @@ from enginectl.server.weights.generation import duration
 from enginectl.server.weights.ledger import Fingerprint, WeightVersionLedger
 from enginectl.server.weights.operations import UpdateOperation
 from enginectl.server.weights.outcome import UpdateFailed
-from enginectl.server.weights.plans import UpdatePlan
+from enginectl.server.weights.plans import SOURCE_PROTO, UpdatePlan
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 log = structlog.get_logger("enginectl.staging")
@@ -74,7 +74,6 @@ class StagedSet:
     expire_time: float = 0.0
 
     def proto(self) -> pb2.StagedWeights:
-        from enginectl.server.weights.updates import SOURCE_PROTO
         from enginectl.server.weights.version_service import fingerprint_proto
 
         msg = pb2.StagedWeights(
@@ -178,9 +177,8 @@ class Staging:
         feeding: asyncio.Future[None] | None = None
         try:
             op.set_phase(pb2.UPDATE_PHASE_RECEIVING)
-            worker_plan = replace(plan, stage_token=staged.token).worker_plan(
-                WORKER_SOURCE[plan.source], channels, deadline
-            )
+            # What the workers receive (a stage plan names no stage token), kept under the set's.
+            worker_plan = msgspec.structs.replace(plan.worker_plan(channels, deadline), stage_token=staged.token)
             acks = await self._engine.stage(worker_plan)
             if feed is not None:
                 feeding = asyncio.ensure_future(feed(channels, op))
@@ -338,13 +336,6 @@ class Staging:
             self._on_bytes(0)
 
 
-WORKER_SOURCE = {
-    WeightSource.DISK: Source.DISK,
-    WeightSource.TENSORS: Source.TENSORS,
-    WeightSource.DISTRIBUTED: Source.DISTRIBUTED,
-}
-
-
 def _not_found(name: str) -> ControlPlaneError:
     return ControlPlaneError(
         grpc.StatusCode.NOT_FOUND,
@@ -363,16 +354,8 @@ async def _follow(op: UpdateOperation, channels: UpdateChannels, workers: set[tu
         report = frames.read_report(await channels.progress.recv())
         if len(report) == 2:
             pending.discard((report[0], report[1]))
-            continue
-        rank, tensors, nbytes = report
-        done[rank] = (tensors, nbytes)
-        for progress in op.metadata.ranks:
-            if progress.dp_rank == rank:
-                progress.tensors_done, progress.bytes_done = tensors, nbytes
-        if len(done) == len(op.metadata.ranks):
-            op.metadata.tensors_done = min(t for t, _ in done.values())
-            op.metadata.bytes_done = min(b for _, b in done.values())
-        op.touch()
+        else:
+            op.record_progress(done, *report, writing=False)
 
 
 def _fold(results: list[StageResult]) -> Fingerprint:

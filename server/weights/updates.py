@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -27,13 +27,11 @@ import grpc
 import structlog
 import zmq.asyncio
 
-from enginectl.common.vocabulary import WeightSource
 from enginectl.contract.engine import (
     Cause,
     FinishUpdate,
     LoadPlan,
     LoadResult,
-    Source,
     WorkerDigest,
 )
 from enginectl.server.engine import EngineInfo
@@ -47,28 +45,13 @@ from enginectl.server.weights.groups import GroupEngine, UpdateGroups, backends
 from enginectl.server.weights.ledger import Fingerprint, WeightVersionLedger
 from enginectl.server.weights.operations import OperationStore, UpdateOperation
 from enginectl.server.weights.outcome import UpdateFailed, UpdatePause
-from enginectl.server.weights.plans import UpdatePlan, UpdateValidator
-from enginectl.server.weights.staging import DEFAULT_TTL_S, STAGED_PREFIX, StagedSet, Staging, StagingEngine
+from enginectl.server.weights.plans import SOURCE_PROTO, UpdatePlan, UpdateValidator
+from enginectl.server.weights.staging import DEFAULT_TTL_S, STAGED_PREFIX, Feed, StagedSet, Staging, StagingEngine
 from enginectl.server.weights.update_steps import UpdateSteps
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
-from enginectl.weights.v1 import weight_version_pb2 as wv_pb2
 from enginectl.weights.v1 import weight_version_service_pb2 as wvs_pb2
 
 log = structlog.get_logger("enginectl.updates")
-
-SOURCE_PROTO = {
-    WeightSource.DISK: wv_pb2.WEIGHT_SOURCE_DISK,
-    WeightSource.DISTRIBUTED: wv_pb2.WEIGHT_SOURCE_DISTRIBUTED,
-    WeightSource.TENSORS: wv_pb2.WEIGHT_SOURCE_TENSORS,
-    WeightSource.IPC: wv_pb2.WEIGHT_SOURCE_IPC,
-}
-WORKER_SOURCE = {
-    WeightSource.DISK: Source.DISK,
-    WeightSource.TENSORS: Source.TENSORS,
-    WeightSource.DISTRIBUTED: Source.DISTRIBUTED,
-    WeightSource.IPC: Source.IPC,
-}
-Feed = Callable[[UpdateChannels, UpdateOperation], Awaitable[None]]
 
 
 class UpdateEngine(PauseEngine, GroupEngine, FingerprintEngine, StagingEngine, Protocol):
@@ -387,11 +370,9 @@ class WeightUpdates(UpdateSteps):
     async def _load(
         self, op: UpdateOperation, plan: UpdatePlan, channels: UpdateChannels, deadline: float, feed: Feed | None
     ) -> list[LoadResult]:
-        worker_plan = plan.worker_plan(
-            Source.STAGED if plan.stage_token else WORKER_SOURCE[plan.source], channels, deadline
-        )
+        worker_plan = plan.worker_plan(channels, deadline)
         load = asyncio.ensure_future(self._engine.load(worker_plan, timeout=plan.timeout + RPC_GRACE_S))
-        progress = asyncio.ensure_future(op.follow_progress(channels.next_progress, self._ranks))
+        progress = asyncio.ensure_future(op.follow_progress(channels.next_progress))
         loop = asyncio.get_running_loop()
         timer = loop.call_at(
             loop.time() + max(deadline - time.time(), 0.0),

@@ -96,7 +96,12 @@ class StagingMixin:
         buffer = _buffer(state, total)
         staged = state.current = _Staged(plan.stage_token, plan.source, plan.tensors, offsets, buffer)
         channel = Channel(plan, rank)  # from here on used by the staging thread only
-        source = self._enginectl_stage_source(plan, channel) if plan.source == Source.DISTRIBUTED else None
+        # A broadcast's tensors are received lazily, on the staging thread.
+        source = (
+            self._enginectl_broadcast_tensors(plan, channel)  # type: ignore[attr-defined]
+            if plan.source == Source.DISTRIBUTED
+            else None
+        )
         thread = threading.Thread(
             target=_stage,
             args=(staged, source, plan.files, channel, rank, worker),
@@ -106,10 +111,6 @@ class StagingMixin:
         staged.thread = thread
         thread.start()
         return wire(StageAck(rank, worker))
-
-    def _enginectl_stage_source(self, plan: LoadPlan, channel: Channel) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors of a broadcast stage (lazy: they are received on the staging thread)."""
-        return self._enginectl_broadcast_tensors(plan, channel)  # type: ignore[attr-defined]
 
     def enginectl_stage_result(self, token: str) -> Any:
         """How this worker's staging of `token` ended (done False while it still runs)."""
