@@ -2,10 +2,12 @@
 docs/weights.md, "The fleet").
 
 Both servers start on checkpoint A and may load A and B (the session's `checkpoints`). Server
-Y runs with ENGINECTL_TEST_FAULT=commit-once: its first commit fails after writing began. That
-is a fake, and the only one here: a commit reads tensors already in memory, and no real fault
-makes it fail half-way on demand. The first test uses it; every other fault is real (a set
-already staged, a stale etag, a refused request). Tests run in order and each leaves both
+Y runs with ENGINECTL_TEST_FAULT=commit-once,report-lost-once: its first commit fails after
+writing began, and its first stage never reports its end on the progress channel. Those are
+fakes, and the only ones here: a commit reads tensors already in memory, and no real fault makes
+it fail half-way on demand; a report lost in transit (ZMQ dropping a queued frame, a worker
+giving up on a stalled server) is a race. The first two tests use them; every other fault is
+real (a set already staged, a stale etag, a refused request). Tests run in order and each leaves both
 servers serving A, running, SERVING, with nothing staged.
 """
 
@@ -34,7 +36,9 @@ from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 def servers(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[tuple[ServeProcess, ServeProcess]]:
     args = ["--allow-weights-from", str(checkpoints.root), "--enable-scale-out"]
     x = ServeProcess(args, dict(serve_env, VLLM_SERVER_DEV_MODE="1")).start()
-    y = ServeProcess(args, dict(serve_env, VLLM_SERVER_DEV_MODE="1", ENGINECTL_TEST_FAULT="commit-once")).start()
+    y = ServeProcess(
+        args, dict(serve_env, VLLM_SERVER_DEV_MODE="1", ENGINECTL_TEST_FAULT="commit-once,report-lost-once")
+    ).start()
     try:
         x.wait_ready()
         y.wait_ready()
@@ -81,6 +85,21 @@ def back_to_a(
 
 def stubs(srv: ServeProcess) -> WeightStubs:
     return WeightStubs(srv)
+
+
+def test_a_stage_whose_end_report_is_lost_still_ends(
+    servers: tuple[ServeProcess, ServeProcess], checkpoints: Checkpoints, tokens: dict[str, list[int]]
+) -> None:
+    """The server asks the workers when the channel goes quiet; without that the stage would
+    wait for the report until its timeout and fail UPDATE_TIMEOUT."""
+    _, y = servers
+    with TrainerClient(y.grpc_target, timeout=120.0) as c:
+        staged = c.stage_weights_from_disk(str(checkpoints.b), "lost-report", timeout=60)
+        assert staged.weight_version == "lost-report" and staged.tensors > 0
+        assert c.generation_state().staged.name == staged.name
+        assert c.discard_staged_weights(staged.name) == staged.bytes
+    assert any(e.get("event") == "staging ended without every worker's report" for e in y.events())
+    assert greedy_tokens(y) == tokens["A"]
 
 
 def test_a_failed_commit_quarantines_one_server_and_repair_brings_it_back(
@@ -222,18 +241,23 @@ def test_loose_commit_and_discard(
 # --- the CLI --------------------------------------------------------------------------------
 
 
-def enginectl(*words: str) -> subprocess.CompletedProcess[str]:
-    """`enginectl WORDS` as a script runs it (stdout not a terminal: JSON)."""
-    return subprocess.run(
-        [str(BIN / "enginectl"), *words], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
-    )
+def enginectl(servers: tuple[ServeProcess, ServeProcess], *words: str) -> subprocess.CompletedProcess[str]:
+    """`enginectl WORDS` as a script runs it (stdout not a terminal: JSON); a command that
+    hangs fails the test with both servers' last lines."""
+    try:
+        return subprocess.run(
+            [str(BIN / "enginectl"), *words], capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired as exc:
+        tails = "\n".join(f"--- {s.grpc_target}:\n{s.tail(40)}" for s in servers)
+        pytest.fail(f"enginectl {' '.join(words)} hung: {exc.stderr!r}\n{tails}")
 
 
 def test_cli_fleet_update_status_and_verify(
     servers: tuple[ServeProcess, ServeProcess], checkpoints: Checkpoints, tokens: dict[str, list[int]]
 ) -> None:
     targets = ",".join(s.grpc_target for s in servers)
-    done = enginectl("fleet", "update", str(checkpoints.b), "--version", "cli-B", "--targets", targets)
+    done = enginectl(servers, "fleet", "update", str(checkpoints.b), "--version", "cli-B", "--targets", targets)
     assert done.returncode == 0, (done.stderr, done.stdout)
     document = json.loads(done.stdout)
     assert document["ok"] and document["mode"] == "strict"
@@ -241,13 +265,13 @@ def test_cli_fleet_update_status_and_verify(
     for srv in servers:
         assert greedy_tokens(srv) == tokens["B"]
 
-    status = enginectl("fleet", "status", "--targets", targets)
+    status = enginectl(servers, "fleet", "status", "--targets", targets)
     assert status.returncode == 0, status.stderr
     servers_json = json.loads(status.stdout)["servers"]
     assert {t: (s["serving"], s["version"]["version"]) for t, s in servers_json.items()} == {
         srv.grpc_target: (True, "cli-B") for srv in servers
     }
-    verify = enginectl("fleet", "verify", "--targets", targets, "--full")
+    verify = enginectl(servers, "fleet", "verify", "--targets", targets, "--full")
     assert verify.returncode == 0, verify.stderr
     assert {v["verdict"] for v in json.loads(verify.stdout).values()} == {"MATCH"}
 
@@ -255,7 +279,7 @@ def test_cli_fleet_update_status_and_verify(
     x, y = servers
     with TrainerClient(y.grpc_target) as c:
         c.stage_weights_from_disk(str(checkpoints.a))
-    refused = enginectl("fleet", "update", str(checkpoints.a), "--version", "cli-A", "--targets", targets)
+    refused = enginectl(servers, "fleet", "update", str(checkpoints.a), "--version", "cli-A", "--targets", targets)
     assert refused.returncode == 1
     outcome = json.loads(refused.stdout)
     assert outcome["step"] == "stage"
@@ -265,7 +289,7 @@ def test_cli_fleet_update_status_and_verify(
     for srv in servers:
         assert stubs(srv).version().version == "cli-B"
     # An unreachable server: status says so and exits 3.
-    gone = enginectl("fleet", "status", "--targets", f"{x.grpc_target},127.0.0.1:1", "--timeout", "5")
+    gone = enginectl(servers, "fleet", "status", "--targets", f"{x.grpc_target},127.0.0.1:1", "--timeout", "5")
     assert gone.returncode == 3
 
 

@@ -47,6 +47,7 @@ log = structlog.get_logger("enginectl.staging")
 STAGED_PREFIX = "staged/"
 DEFAULT_TTL_S = 600.0
 REMEMBER_EXPIRED = 16  # names of expired sets kept, so a late commit hears "expired"
+QUIET_S = 2  # a stage whose progress channel is this quiet asks its workers how they are
 Feed = Callable[[UpdateChannels, UpdateOperation], Awaitable[None]]
 
 
@@ -184,7 +185,10 @@ class Staging:
                 feeding = asyncio.ensure_future(feed(channels, op))
             workers = {(a.dp_rank, a.worker_rank) for rank in acks for a in rank}
             try:
-                await asyncio.wait_for(_follow(op, channels, workers), max(deadline - time.time(), 0) + RPC_GRACE_S)
+                await asyncio.wait_for(
+                    _follow(op, channels, workers, lambda: self._ended(staged.token)),
+                    max(deadline - time.time(), 0) + RPC_GRACE_S,
+                )
             except asyncio.TimeoutError:
                 raise UpdateFailed(
                     Cause.UPDATE_TIMEOUT, "a worker never reported the end of its staging", False
@@ -219,6 +223,10 @@ class Staging:
                 await asyncio.wait({feeding}, timeout=1.0)
                 feeding.cancel()
             channels.close()
+
+    async def _ended(self, token: str) -> bool:
+        """Every worker's staging of `token` is over (asked directly, not reported)."""
+        return all(r.done for rank in await self._engine.stage_result(token) for r in rank)
 
     def _ready(self, staged: StagedSet, results: list[StageResult]) -> None:
         staged.fingerprint = _fold(results)
@@ -345,12 +353,21 @@ def _not_found(name: str) -> ControlPlaneError:
     )
 
 
-async def _follow(op: UpdateOperation, channels: UpdateChannels, workers: set[tuple[int, int]]) -> None:
+async def _follow(
+    op: UpdateOperation, channels: UpdateChannels, workers: set[tuple[int, int]], ended: Callable[[], Awaitable[bool]]
+) -> None:
     """Fold the workers' progress into the metadata (weights_modified stays false: nothing
-    is written into the model) until every worker in `workers` reported `staged`."""
+    is written into the model) until every worker in `workers` reported `staged`, or, when
+    the channel stays quiet for QUIET_S, `ended()` says every worker's staging is over (a
+    report can be lost: a worker gives up sending it after STAGED_SEND_TIMEOUT_MS)."""
     pending = set(workers)
     done: dict[int, tuple[int, int]] = {}
     while pending:
+        if not await channels.progress.poll(QUIET_S * 1000):
+            if await ended():
+                log.warning("staging ended without every worker's report", operation=op.name, missing=len(pending))
+                return
+            continue
         report = frames.read_report(await channels.progress.recv())
         if len(report) == 2:
             pending.discard((report[0], report[1]))

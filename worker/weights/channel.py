@@ -79,9 +79,11 @@ class Channel:
         self._sent = self._latest
         self._last_progress = time.monotonic()
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close both sockets; `linger_ms` lets progress frames still queued go out first
+        (ZMQ drops them at once with 0)."""
         self.data.close(0)
-        self.progress_socket.close(0)
+        self.progress_socket.close(linger_ms)
 
 
 def _chunk_or_raise(message: list[zmq.Frame]) -> frames.Chunk:

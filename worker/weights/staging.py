@@ -50,8 +50,9 @@ from enginectl.worker.weights.groups import typed_view
 from enginectl.worker.weights.ranks import dp_rank
 
 STAGED_SEND_TIMEOUT_MS = 10_000  # the `staged` report waits this long for a slow server
-# Fault injection for tests only (a commit that fails after writing began cannot be caused on
-# demand otherwise): "commit-once" makes this worker's first commit fail half-way.
+# Fault injection for tests only, for faults no real input causes on demand; a comma list:
+# "commit-once": this worker's first commit fails half-way (after writing began);
+# "report-lost-once": its first stage never sends its `staged` report (one lost in transit).
 FAULT_ENV = "ENGINECTL_TEST_FAULT"
 
 
@@ -73,7 +74,7 @@ class _Staged:
 class _StagingState:
     current: _Staged | None = None
     buffer: torch.Tensor | None = None  # kept for reuse across stages
-    fault_fired: bool = False  # FAULT_ENV
+    faults_fired: set[str] = field(default_factory=set)  # FAULT_ENV
 
 
 class StagingMixin:
@@ -104,7 +105,7 @@ class StagingMixin:
         )
         thread = threading.Thread(
             target=_stage,
-            args=(staged, source, plan.files, channel, rank, worker),
+            args=(staged, source, plan.files, channel, rank, worker, _fault(state, "report-lost-once")),
             name=f"enginectl-stage-{plan.stage_token[:8]}",
             daemon=True,
         )
@@ -139,10 +140,9 @@ class StagingMixin:
         if staged.result is None or not staged.result.done or staged.result.error is not None:
             raise Abort(Cause.LOAD_FAILED, "the staged set on this worker is not complete")
         state = self._enginectl_staging()
-        fault = os.environ.get(FAULT_ENV) == "commit-once" and not state.fault_fired
+        fault = _fault(state, "commit-once")
         for i, (spec, offset) in enumerate(zip(staged.specs, staged.offsets, strict=True)):
             if fault and i == len(staged.specs) // 2:
-                state.fault_fired = True
                 raise RuntimeError(f"injected commit fault ({FAULT_ENV}=commit-once)")
             yield spec.name, typed_view(staged.buffer, offset, spec.dtype, spec.shape)
 
@@ -160,6 +160,14 @@ class StagingMixin:
             if tensor.device.type == "cpu" and start <= tensor.untyped_storage().data_ptr() < end:
                 state.buffer = None  # the staged set keeps its own reference
                 return
+
+
+def _fault(state: _StagingState, name: str) -> bool:
+    """Whether the injected fault `name` fires now (once per worker; FAULT_ENV)."""
+    if name not in os.environ.get(FAULT_ENV, "").split(",") or name in state.faults_fired:
+        return False
+    state.faults_fired.add(name)
+    return True
 
 
 def _layout(specs: tuple[TensorSpec, ...]) -> tuple[list[int], int]:
@@ -202,8 +210,10 @@ def _stage(
     channel: Channel,
     rank: int,
     worker: int,
+    lose_report: bool = False,
 ) -> None:
-    """The staging thread: receive every tensor into the buffer, digest it, report."""
+    """The staging thread: receive every tensor into the buffer, digest it, report
+    (`lose_report`: an injected fault, FAULT_ENV)."""
     total = staged.buffer.numel()
     try:
         if staged.source == Source.TENSORS:
@@ -222,15 +232,20 @@ def _stage(
         cause = Cause.STREAM_BROKEN if staged.source == Source.DISTRIBUTED else Cause.LOAD_FAILED
         result = StageResult(rank, worker, done=True, error=LoadError(cause, f"{type(exc).__name__}: {exc}"))
     staged.result = result
+    linger_ms = 0
     try:
         if result.error is None:
             channel.progress(len(staged.specs), total, force=True)
         channel.progress_socket.setsockopt(zmq.SNDTIMEO, STAGED_SEND_TIMEOUT_MS)
-        channel.progress_socket.send(frames.staged(rank, worker))
+        if not lose_report:
+            channel.progress_socket.send(frames.staged(rank, worker))
+        # send() only queues the frame: closed with LINGER 0, the socket would drop what its
+        # I/O thread has not written yet, and the server would wait for a report never sent.
+        linger_ms = STAGED_SEND_TIMEOUT_MS
     except zmq.ZMQError:
-        pass  # the server went away or stopped listening: it reads StageResult instead
+        pass  # the server went away or stopped listening: it asks for the StageResult instead
     finally:
-        channel.close()
+        channel.close(linger_ms)
 
 
 def _check(staged: _Staged, channel: Channel) -> None:
