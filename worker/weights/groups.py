@@ -112,8 +112,11 @@ class GroupsMixin:
             raise Abort(Cause.GROUP_BROKEN, group.broken)
         specs = plan.tensors
         plan_buckets = buckets.cut([dtypes.nbytes(s.dtype, s.shape) for s in specs], plan.bucket_bytes)
-        # At most two received buckets wait for the loader: receiving stays a bucket ahead.
-        received: queue.Queue[list[tuple[str, torch.Tensor]] | _ReceiveFailed | None] = queue.Queue(maxsize=2)
+        # Unbounded: every bucket has a receive buffer of its own (allocated once, reused), so
+        # the receive runs at the transport's pace however far the loader is behind; a bound
+        # tied the two together, and each waited for the other (docs/weights.md, "Bucketed
+        # broadcasts").
+        received: queue.Queue[list[tuple[str, torch.Tensor]] | _ReceiveFailed | None] = queue.Queue()
         stop = threading.Event()
         receive_buffers = _buffers(group, specs, plan_buckets)
 
@@ -130,14 +133,9 @@ class GroupsMixin:
                         ]
                     else:
                         unpacked = [(specs[bucket.start].name, buffer)]
-                    while not stop.is_set():
-                        try:
-                            received.put(unpacked, timeout=POLL_MS / 1000)
-                            break
-                        except queue.Full:
-                            continue
                     if stop.is_set():
                         return
+                    received.put(unpacked)
                 received.put(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
                 group.broken = f"{type(exc).__name__}: {exc}"
