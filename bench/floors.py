@@ -10,6 +10,13 @@ next to the measurements the floors bound:
   (reused buffers, as a model's parameters are). Floor seconds = payload bytes / that
   bandwidth. One flat copy of the same byte count is timed too: the gap between the two is
   the cost of tensor count.
+- **transport and load at once**: a gloo or tensor-stream update moves the bytes as its raw
+  baseline does and loads them as `reload_weights` does; on a machine of two cores the two
+  jobs slow each other down (a core, the memory bandwidth), so neither alone is its floor.
+  The bench runs the raw transport (gloo in the client's 4 MiB buckets) with the in-memory
+  reload (bench/worker_ext.py, through /collective_rpc) started beside it, rep by rep, and
+  times until both ended: an update that overlapped its receive and its load perfectly
+  would take that long.
 - **engine round trip**: PauseGeneration and ResumeGeneration each need at least one
   EngineCore utility round trip (vLLM's pause_scheduler, resume_scheduler) behind one gRPC
   call. GetGenerationState is one gRPC call that costs exactly one EngineCore utility round

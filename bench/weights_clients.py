@@ -26,15 +26,18 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 from bench import checkpoints, floors
 from bench.lines import emit
+from enginectl.client.trainer import DEFAULT_BUCKET_BYTES
+from enginectl.common import buckets
 
 SINK_METHOD = "/bench.Sink/Stream"
 CHUNK_BYTES = 2 * 1024 * 1024
@@ -70,15 +73,30 @@ def sink() -> None:
     server.stop(0)
 
 
-def gloo_recv(port: int, file: str, reps: int) -> None:
-    """Rank 1 of a raw gloo group with the `run` process: receive every tensor `reps` times
-    into buffers allocated once, acknowledging each round."""
+def bucketed(tensors: list[Any], bucket_bytes: int) -> list[Any]:
+    """`tensors` as the collectives of a broadcast in buckets of `bucket_bytes` (the trainer
+    client's layout, common/buckets.py): a packed bucket as one flat uint8 tensor."""
+    import torch
+
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    return [
+        torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors[b.start : b.stop]])
+        if b.packed
+        else tensors[b.start]
+        for b in buckets.cut(sizes, bucket_bytes)
+    ]
+
+
+def gloo_recv(port: int, file: str, reps: int, bucket_bytes: int) -> None:
+    """Rank 1 of a raw gloo group with the `run` process: receive every tensor (or bucket)
+    `reps` times into buffers allocated once, acknowledging each round."""
     import torch
     import torch.distributed as dist
     from safetensors import safe_open
 
     with safe_open(file, framework="pt") as f:
         buffers = [torch.empty_like(f.get_tensor(k)) for k in f.keys()]  # safe_open is not a dict
+    buffers = bucketed(buffers, bucket_bytes)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=120))
     pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 1, 2, datetime.timedelta(seconds=120))
     ack = torch.zeros(1)
@@ -88,7 +106,12 @@ def gloo_recv(port: int, file: str, reps: int) -> None:
         pg.broadcast(ack, 1).wait()
 
 
-def raw_gloo(file: str, tensors: list[Any], reps: int) -> list[float]:
+def raw_gloo(
+    file: str, tensors: list[Any], reps: int, beside: Callable[[], object] | None = None, bucket_bytes: int = 0
+) -> list[float]:
+    """Seconds of each of `reps` raw broadcasts of `tensors` (in buckets of `bucket_bytes`;
+    0: one per tensor) to a peer process; with `beside`, each rep also runs `beside` on a
+    thread from its start, and lasts until both ended."""
     import torch
     import torch.distributed as dist
 
@@ -107,21 +130,36 @@ def raw_gloo(file: str, tensors: list[Any], reps: int) -> list[float]:
             file,
             "--reps",
             str(reps),
+            "--bucket-bytes",
+            str(bucket_bytes),
         ]
     )
     try:
         pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, datetime.timedelta(seconds=120))
         ack = torch.zeros(1)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for t in tensors:
+
+        collectives = bucketed(tensors, bucket_bytes)
+
+        def one_rep() -> None:
+            for t in collectives:
                 pg.broadcast(t, 0).wait()
             pg.broadcast(ack, 1).wait()
-            times.append(time.perf_counter() - t0)
-        return times
+
+        return [together(one_rep, beside) for _ in range(reps)]
     finally:
         child.wait(60)
+
+
+def together(call: Callable[[], object], beside: Callable[[], object] | None) -> float:
+    """Seconds until `call` and `beside` (on a thread, started first) both ended."""
+    thread = threading.Thread(target=beside) if beside is not None else None
+    t0 = time.perf_counter()
+    if thread is not None:
+        thread.start()
+    call()
+    if thread is not None:
+        thread.join()
+    return time.perf_counter() - t0
 
 
 def _has_cuda() -> bool:
@@ -179,12 +217,18 @@ def run(target: str, http_port: int, model: Path, reps: int, pause_reps: int) ->
     payload = sum(t.numel() * t.element_size() for _, t in named)
     results: dict[str, Any] = {"file_bytes": file.stat().st_size, "payload_bytes": payload, "num_tensors": len(named)}
     copy = floors.MemcpyFloor([t for _, t in named])
+    body = {"method": "bench_reload_in_memory", "kwargs": {"path": str(file)}}
+    http_json(http_port, "/collective_rpc", body)  # the worker reads the file once, and keeps it
+
+    def reload() -> None:  # the in-memory reload, run beside a raw transport (bench/floors.py)
+        http_json(http_port, "/collective_rpc", body)
+
     with TrainerClient(target, timeout=600) as client:
         results["pause"], get_state = measure_pause(client, http_port, pause_reps)
         results["engine_round_trip_floor"] = floors.engine_round_trips(get_state)
         results["disk"] = measure_disk(client, http_port, model, payload, reps, copy)
-        results["tensors"] = measure_tensors(client, named, payload, reps, copy)
-        results["gloo"] = measure_gloo(client, str(file), named, payload, reps, copy)
+        results["tensors"] = measure_tensors(client, named, payload, reps, copy, reload)
+        results["gloo"] = measure_gloo(client, str(file), named, payload, reps, copy, reload)
         if "NCCL" in client.get_server_info().backends and _has_cuda():
             results["nccl"] = measure_nccl(client, named, payload, reps)
         results["ipc"] = measure_ipc(client, http_port, str(file), named, payload, reps)
@@ -225,9 +269,15 @@ def measure_disk(
 
 
 def measure_tensors(
-    client: Any, named: list[tuple[str, Any]], payload: int, reps: int, copy: floors.MemcpyFloor
+    client: Any,
+    named: list[tuple[str, Any]],
+    payload: int,
+    reps: int,
+    copy: floors.MemcpyFloor,
+    reload: Callable[[], None],
 ) -> dict[str, Any]:
-    """enginectl's tensor stream end to end (incl. the load) vs the same messages into a gRPC sink."""
+    """enginectl's tensor stream end to end (incl. the load) vs the same messages into a gRPC
+    sink; and that stream with the in-memory reload running beside it (the floor)."""
     import grpc
 
     from enginectl.client.trainer_tensors import chunks, tensor_spec
@@ -249,7 +299,7 @@ def measure_tensors(
         send = channel.stream_unary(
             SINK_METHOD, request_serializer=pb2.UpdateWeightsFromTensorsRequest.SerializeToString
         )
-        ours, theirs, done = [], [], []
+        ours, theirs, done, beside = [], [], [], []
         for i in range(reps):
             t0 = time.perf_counter()
             done.append(client.update_weights_from_tensors(named, f"tensors-{i}", chunk_bytes=CHUNK_BYTES))
@@ -258,19 +308,31 @@ def measure_tensors(
             got = int.from_bytes(send(iter([header, *chunks(named, CHUNK_BYTES)]), timeout=600), "little")
             theirs.append(time.perf_counter() - t0)
             assert got == payload, (got, payload)
+            beside.append(together(lambda: send(iter([header, *chunks(named, CHUNK_BYTES)]), timeout=600), reload))
             copy.sample()
         channel.close()
     finally:
         assert sink_proc.stdin is not None
         sink_proc.stdin.close()
         sink_proc.wait(60)
-    return {"enginectl": summary(ours, payload, done), "raw_grpc_stream": summary(theirs, payload)}
+    return {
+        "enginectl": summary(ours, payload, done),
+        "raw_grpc_stream": summary(theirs, payload),
+        "raw_grpc_stream_beside_reload": summary(beside, payload),
+    }
 
 
 def measure_gloo(
-    client: Any, file: str, named: list[tuple[str, Any]], payload: int, reps: int, copy: floors.MemcpyFloor
+    client: Any,
+    file: str,
+    named: list[tuple[str, Any]],
+    payload: int,
+    reps: int,
+    copy: floors.MemcpyFloor,
+    reload: Callable[[], None],
 ) -> dict[str, Any]:
-    """enginectl's broadcast (this process is the trainer) vs a raw two-process gloo broadcast."""
+    """enginectl's broadcast (this process is the trainer) vs a raw two-process gloo broadcast;
+    and that broadcast, in the client's buckets, with the in-memory reload beside it (the floor)."""
     client.init_weights_update_group("bench", timeout=120)
     ours, done, per_tensor, per_tensor_done = [], [], [], []
     for i in range(reps):
@@ -283,10 +345,12 @@ def measure_gloo(
         copy.sample()
     client.destroy_weights_update_group("bench")
     theirs = raw_gloo(file, [t for _, t in named], reps)
+    beside = raw_gloo(file, [t for _, t in named], reps, reload, DEFAULT_BUCKET_BYTES)
     return {
         "enginectl": summary(ours, payload, done),
         "enginectl_per_tensor": summary(per_tensor, payload, per_tensor_done),
         "raw_gloo": summary(theirs, payload),
+        "raw_gloo_beside_reload": summary(beside, payload),
     }
 
 
@@ -337,6 +401,7 @@ def main() -> None:
     parser.add_argument("--pause-reps", type=int, default=20)
     parser.add_argument("--port", type=int)
     parser.add_argument("--file")
+    parser.add_argument("--bucket-bytes", type=int, default=0)
     args = parser.parse_args()
     try:
         if args.mode == "build":
@@ -347,7 +412,7 @@ def main() -> None:
         elif args.mode == "sink":
             sink()
         else:
-            gloo_recv(args.port, args.file, args.reps)
+            gloo_recv(args.port, args.file, args.reps, args.bucket_bytes)
     except Exception as exc:  # reported to the orchestrator, which raises it
         emit("error", error=f"{type(exc).__name__}: {exc}")
         raise
