@@ -33,6 +33,8 @@ from enginectl.client.trainer_requests import GRACE_S, UpdateOptions, duration, 
 from enginectl.client.trainer_staging import AsyncStagingMixin
 from enginectl.client.trainer_tensors import (
     BACKENDS,
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_CHUNK_BYTES,
     BroadcastGroup,
     TensorSource,
     chunks,
@@ -52,10 +54,7 @@ from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
 
-DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 DEFAULT_GROUP = "enginectl-trainer"
-# Broadcasts pack tensors of at most this size into buckets (one collective per bucket).
-DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 
 class AsyncTrainerClient(AsyncStagingMixin):

@@ -15,16 +15,13 @@ from typing import TYPE_CHECKING
 
 from enginectl.client.trainer_operations import AsyncOperationsClient
 from enginectl.client.trainer_requests import UpdateOptions
-from enginectl.client.trainer_tensors import TensorSource
+from enginectl.client.trainer_tensors import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, TensorSource
 from enginectl.client.trainer_types import StagedWeights, UpdateOperation, UpdateResult
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 if TYPE_CHECKING:
     from enginectl.client.trainer_broadcast import AsyncBroadcast
     from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
-
-DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
-DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 
 def _staged(result: UpdateResult) -> StagedWeights:

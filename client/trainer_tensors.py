@@ -18,6 +18,9 @@ from enginectl.common.buckets import Bucket, cut
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 BACKENDS = {"gloo": pb2.GROUP_BACKEND_GLOO, "nccl": pb2.GROUP_BACKEND_NCCL}
+DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024  # a tensor stream's chunk
+# Broadcasts pack tensors of at most this size into buckets (one collective per bucket).
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 # Anything naming tensors: an nn.Module, a state dict, or (name, tensor) pairs.
 TensorSource = Any
