@@ -14,7 +14,6 @@ each server's stage and commit (and its load and finish phases) took. Figure: me
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 from bench.checkpoints import checkpoints
 from bench.harness import ServeProcess
+from bench.stats import median_ms
 
 TARGET = 1.15  # end to end, 2 servers / 1 server <=
 SERVERS = 2
@@ -48,25 +48,9 @@ def phase(quick: bool) -> dict[str, Any]:
 
 
 def _server(model: Path, index: int) -> ServeProcess:
-    from bench.procs import enginectl_server
+    from bench.procs import model_server
 
-    server = enginectl_server(
-        [
-            "--model",
-            str(model),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--max-model-len",
-            "256",
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
-            "--max-num-seqs",
-            "8",
-            "--seed",
-            "0",
-        ]
-    )
+    server = model_server(model)
     server.name = f"enginectl-fleet-{index}"
     server.keep_lines = True  # each stage's and commit's own duration (its log lines)
     return server
@@ -126,15 +110,6 @@ def _join_server_timings(reps: dict[str, list[dict[str, Any]]], servers: list[Se
                 rep[f"commit_{name}_s"] = max(float(p.get(name, 0.0)) for p in mine.values()) / 1e3
 
 
-def _ms(seconds: list[float]) -> dict[str, Any]:
-    return {
-        "n": len(seconds),
-        "median_ms": round(statistics.median(seconds) * 1e3, 3),
-        "min_ms": round(min(seconds) * 1e3, 3),
-        "max_ms": round(max(seconds) * 1e3, 3),
-    }
-
-
 MEASURES = {  # a rep's field: what it times
     "total_s": "end to end: stage_broadcast + strict commit, from the call to every server committed",
     "stage_s": "stage_broadcast call: one broadcast, every server staged",
@@ -148,10 +123,12 @@ MEASURES = {  # a rep's field: what it times
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     reps = result["reps"]
-    out: dict[str, Any] = {kind: {field: _ms([r[field] for r in reps[kind]]) for field in MEASURES} for kind in KINDS}
+    out: dict[str, Any] = {
+        kind: {field: median_ms([r[field] for r in reps[kind]]) for field in MEASURES} for kind in KINDS
+    }
     out.update(
-        raw_gloo_2=_ms([r["total_s"] for r in reps["raw_2"]]),
-        raw_gloo_1=_ms([r["total_s"] for r in reps["raw_1"]]),
+        raw_gloo_2=median_ms([r["total_s"] for r in reps["raw_2"]]),
+        raw_gloo_1=median_ms([r["total_s"] for r in reps["raw_1"]]),
         num_tensors=result["num_tensors"],
         payload_bytes=result["payload_bytes"],
         rank_offsets=result["rank_offsets"],

@@ -38,6 +38,29 @@ def enginectl_server(extra_args: Sequence[str] = ()) -> ServeProcess:
     return ServeProcess(serve_command(extra_args), env)
 
 
+def model_server(model: Path, extra_args: Sequence[str] = ()) -> ServeProcess:
+    """`enginectl serve` on a synthetic checkpoint of bench/checkpoints.py: float32, eager, a
+    64 MiB KV cache (a user's model needs a memory flag on a busy host), seeded."""
+    return enginectl_server(
+        [
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--max-num-seqs",
+            "8",
+            "--seed",
+            "0",
+            *extra_args,
+        ]
+    )
+
+
 def baseline_server(variant: str) -> ServeProcess:
     """A gRPC server of bench.servers (no vLLM) in its own process."""
     return ServeProcess([sys.executable, "-m", "bench.servers", "--variant", variant], bench_env(), name=variant)

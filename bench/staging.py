@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ServeProcess
+from bench.stats import median_ms
 
 COMMIT_PAUSE_TARGET = 1.1  # commit pause / in-memory reload_weights <=
 ROLLOUT_STREAMS, ROLLOUT_TOKENS = 4, 64
@@ -89,20 +90,20 @@ def measure_commit(server: ServeProcess, model: Path, reps: int) -> dict[str, An
         "reps": reps,
         "lead_tokens": res["lead_tokens"],
         "commit": {
-            "paused_window": _ms([r["paused_s"] for r in commits]),
-            "load": _ms([r["phases_ms"].get("load", 0.0) / 1e3 for r in commits]),
-            "worker_load": _ms([r["rank_load_s"] for r in commits]),
-            "client_call": _ms([r["call_s"] for r in commits]),
-            "token_gap": _ms([r["gap_s"] for r in commits]),
-            "stage_idle": _ms([r["stage_s"] for r in commits]),
+            "paused_window": median_ms([r["paused_s"] for r in commits]),
+            "load": median_ms([r["phases_ms"].get("load", 0.0) / 1e3 for r in commits]),
+            "worker_load": median_ms([r["rank_load_s"] for r in commits]),
+            "client_call": median_ms([r["call_s"] for r in commits]),
+            "token_gap": median_ms([r["gap_s"] for r in commits]),
+            "stage_idle": median_ms([r["stage_s"] for r in commits]),
         },
         "reload_in_memory": {
-            "in_worker": _ms([r["worker_s"] for r in reloads]),
-            "in_worker_flat": _ms([r["worker_s"] for r in res["reps"]["flat"]]),
-            "client_call": _ms([r["call_s"] for r in reloads]),
-            "token_gap": _ms([r["gap_s"] for r in reloads]),
+            "in_worker": median_ms([r["worker_s"] for r in reloads]),
+            "in_worker_flat": median_ms([r["worker_s"] for r in res["reps"]["flat"]]),
+            "client_call": median_ms([r["call_s"] for r in reloads]),
+            "token_gap": median_ms([r["gap_s"] for r in reloads]),
         },
-        "steady_token_gap": _ms([r["steady_gap_s"] for r in commits + reloads]),
+        "steady_token_gap": median_ms([r["steady_gap_s"] for r in commits + reloads]),
         "raw": res["reps"],
     }
 
@@ -115,15 +116,6 @@ def paused_windows(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         if e.get("event") == "weights updated"
         and str(e.get("version") or "").startswith("commit-")
         and isinstance(e.get("phases_ms"), dict)
-    }
-
-
-def _ms(seconds: list[float]) -> dict[str, Any]:
-    return {
-        "n": len(seconds),
-        "median_ms": round(statistics.median(seconds) * 1e3, 3),
-        "min_ms": round(min(seconds) * 1e3, 3),
-        "max_ms": round(max(seconds) * 1e3, 3),
     }
 
 

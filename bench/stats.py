@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 
@@ -33,6 +34,17 @@ def summarize_ms(samples_s: Sequence[float]) -> dict[str, float]:
         "mean_ms": round(sum(values) / len(values) * ms, 4),
         "min_ms": round(values[0] * ms, 4),
         "max_ms": round(values[-1] * ms, 4),
+    }
+
+
+def median_ms(samples_s: Sequence[float]) -> dict[str, float]:
+    """n, median, min and max in milliseconds of a few samples given in seconds (interleaved
+    reps, too few for percentiles)."""
+    return {
+        "n": len(samples_s),
+        "median_ms": round(statistics.median(samples_s) * 1e3, 3),
+        "min_ms": round(min(samples_s) * 1e3, 3),
+        "max_ms": round(max(samples_s) * 1e3, 3),
     }
 
 

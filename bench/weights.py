@@ -51,28 +51,11 @@ def phase(quick: bool) -> dict[str, Any]:
 
 def measure(ckpt: Checkpoint, model: Path, quick: bool) -> dict[str, Any]:
     """Serve `model` with its own `enginectl serve` and measure every figure on it."""
-    from bench.procs import Worker, bench_env, enginectl_server
+    from bench.procs import Worker, bench_env, model_server
 
-    server = enginectl_server(
-        [
-            "--model",
-            str(model),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--max-model-len",
-            "256",
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
-            "--max-num-seqs",
-            "8",
-            "--seed",
-            "0",
-            "--allow-weights-from",
-            str(model),
-            "--worker-extension-cls",
-            "bench.worker_ext.BenchWorkerExtension",
-        ]
+    server = model_server(
+        model,
+        ["--allow-weights-from", str(model), "--worker-extension-cls", "bench.worker_ext.BenchWorkerExtension"],
     )
     server.name = f"enginectl-weights-{ckpt.key}"
     server.keep_lines = True  # the "weights updated" events: where each update's time went
