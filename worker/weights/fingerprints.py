@@ -15,8 +15,8 @@ Who may touch the weights, and when (docs/weights.md "Threads and the weights"):
   that the RPC thread then hands to `reload_weights`.
 - Work that is long (the full digest of every byte) is cut into slices of bounded size; the
   server sends one slice per EngineCore round trip, and the EngineCore handles utility calls
-  between steps, so a slice costs a step at most `SLICE_SECONDS` plus one small gemv per
-  packed layer at the end.
+  between steps, so a slice costs a step at most `SLICE_BYTES` of CRC or `SLICE_SECONDS`,
+  plus one packed layer's probe. A declaration's baseline reuses the probes its sampled digest took.
 `weight_access` enforces the first two rules: every entry point that touches weights runs
 inside it, and it refuses a second thread or an overlapping entry.
 """
@@ -81,17 +81,24 @@ def weight_access(worker: Any, what: str) -> contextlib.AbstractContextManager[N
 
 
 class _FullDigest:
-    """The full digest of one set of weights, taken a slice at a time.
+    """The full digest of one set of weights, taken a slice at a time: CRC32 of every tensor's
+    bytes, then the probe of every packed layer (`_probe_output`), each slice bounded in bytes
+    and time.
 
-    Byte-for-byte the same as hashing every tensor at once: CRC32 runs on across slices."""
+    Byte-for-byte the same as hashing every tensor at once: CRC32 runs on across slices. A
+    declaration's baseline is given the probe outputs its sampled digest just took of the same
+    weights (the same layers, inputs and kernels), and folds them in instead of a second pass
+    over every packed weight; a verification probes the weights as they are now."""
 
-    def __init__(self, model: Any) -> None:
-        self._model = model
+    def __init__(self, model: Any, probes: list[tuple[str, bytes]] | None = None) -> None:
         self._tensors = _hashable_tensors(model)
+        self._layers = list(_packed_linears(model))
+        self._probes = probes
         self._digest = hashlib.blake2b(digest_size=16)
         self._index = 0
         self._offset = 0
         self._crc = 0
+        self._probed = 0
         self.result: str | None = None
 
     def advance(self, budget_bytes: int, budget_seconds: float) -> bool:
@@ -114,11 +121,19 @@ class _FullDigest:
             self._digest.update(self._crc.to_bytes(4, "little"))
             self._index, self._offset, self._crc = self._index + 1, 0, 0
             if budget <= 0 or time.monotonic() >= stop_at:
-                return self._index >= len(self._tensors) and self._finish()
-        return self._finish()
-
-    def _finish(self) -> bool:
-        _probe(self._model, self._digest)
+                break
+        if self._index < len(self._tensors):
+            return False
+        if self._probes is not None:
+            for name, output in self._probes:
+                _fold_probe(self._digest, name, output)
+            self._probed = len(self._layers)
+        with torch.inference_mode():
+            while self._probed < len(self._layers):
+                if time.monotonic() >= stop_at:
+                    return False  # the probes go on in the next slice
+                _fold_probe(self._digest, *_probe_output(*self._layers[self._probed]))
+                self._probed += 1
         self.result = self._digest.hexdigest()
         return True
 
@@ -165,7 +180,7 @@ class FingerprintMixin:
         taken in slices (`enginectl_full_digest`). Names both methods."""
         with weight_access(self, "fingerprint"):
             digest, probes = _sampled_digest(self.model_runner.get_model())  # type: ignore[attr-defined]
-        return self._enginectl_digest_answer(digest, probes)
+        return self._enginectl_digest_answer(digest, len(probes))
 
     def enginectl_declare_fingerprint(self, token: str) -> Any:
         """At a declaration: the sampled digest now (milliseconds), and a full digest recorded
@@ -185,8 +200,8 @@ class FingerprintMixin:
             ):
                 state.baseline = _Baseline(token, state.epoch, digest, last.job)
             else:
-                state.baseline = _Baseline(token, state.epoch, digest, _FullDigest(model))
-        return self._enginectl_digest_answer(digest, probes)
+                state.baseline = _Baseline(token, state.epoch, digest, _FullDigest(model, probes))
+        return self._enginectl_digest_answer(digest, len(probes))
 
     def enginectl_full_digest(self, job: str, token: str, budget_bytes: int = SLICE_BYTES) -> Any:
         """One slice of a full digest (a DigestSlice). `job` BASELINE: the digest of the
@@ -248,8 +263,9 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-def _sampled_digest(model: Any) -> tuple[str, int]:
-    """Every parameter at SAMPLE_ELEMENTS evenly spaced elements, plus the probes."""
+def _sampled_digest(model: Any) -> tuple[str, list[tuple[str, bytes]]]:
+    """Every parameter at SAMPLE_ELEMENTS evenly spaced elements, plus the probes; (the
+    digest, the probe outputs it folded in)."""
     digest = hashlib.blake2b(digest_size=16)
     with torch.inference_mode():
         for name, tensor in _hashable_tensors(model):
@@ -258,7 +274,9 @@ def _sampled_digest(model: Any) -> tuple[str, int]:
             if flat.numel() > SAMPLE_ELEMENTS:
                 flat = flat[_sample_indices(flat.numel())]
             digest.update(flat.contiguous().view(torch.uint8).numpy().tobytes())
-    probes = _probe(model, digest)
+        probes = [_probe_output(*layer) for layer in _packed_linears(model)]
+    for name, output in probes:
+        _fold_probe(digest, name, output)
     return digest.hexdigest(), probes
 
 
@@ -275,9 +293,9 @@ def _probe_input(name: str, in_features: int, dtype: torch.dtype) -> torch.Tenso
     return torch.randn(1, in_features, generator=generator).to(dtype)
 
 
-def _packed_linears(model: Any) -> Iterator[tuple[str, Any, Any, int]]:
+def _packed_linears(model: Any) -> Iterator[tuple[str, Any, int]]:
     """Linear layers whose weight vLLM's CPU build moved into an opaque kernel (the weight
-    tensor is left empty): (name, kernel, weight, in_features)."""
+    tensor is left empty): (name, module, in_features)."""
     for name, module in sorted(model.named_modules()):
         linear = getattr(module, "cpu_linear", None)
         weight = getattr(module, "weight", None)
@@ -285,21 +303,22 @@ def _packed_linears(model: Any) -> Iterator[tuple[str, Any, Any, int]]:
             continue  # no kernel, or the weight itself is hashed
         in_features = int(getattr(module, "input_size_per_partition", 0) or getattr(module, "input_size", 0))
         if in_features > 0:
-            yield name, linear, weight, in_features
+            yield name, module, in_features
 
 
 def _count_probes(model: Any) -> int:
     return sum(1 for _ in _packed_linears(model))
 
 
-def _probe(model: Any, digest: Any) -> int:
-    """Fold each packed layer's output for a fixed input (seeded by its name) into `digest`:
-    the kernel's weights are not readable, its behaviour is. Returns the number of probes."""
-    probes = 0
-    with torch.inference_mode():
-        for name, linear, weight, in_features in _packed_linears(model):
-            probe = _probe_input(name, in_features, weight.dtype)
-            digest.update(name.encode())
-            digest.update(linear(probe, weight, None).float().contiguous().view(torch.uint8).numpy().tobytes())
-            probes += 1
-    return probes
+def _probe_output(name: str, module: Any, in_features: int) -> tuple[str, bytes]:
+    """The packed layer's output for a fixed input (seeded by its name): the kernel's weights
+    are not readable, its behaviour is. The kernel is looked up now, so a probe sliced apart
+    from the listing of the layers still sees the layer as it is. Call under inference_mode."""
+    weight = module.weight
+    probe = _probe_input(name, in_features, weight.dtype)
+    return name, module.cpu_linear(probe, weight, None).float().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _fold_probe(digest: Any, name: str, output: bytes) -> None:
+    digest.update(name.encode())
+    digest.update(output)
