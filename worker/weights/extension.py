@@ -21,6 +21,10 @@ unmapped before the RPC answers (worker/weights/ipc.py).
 
 from __future__ import annotations
 
+import json
+import mmap
+import os
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -146,12 +150,32 @@ assert not _missing, f"worker RPCs without a method: {_missing}"
 
 def disk_tensors(plan: LoadPlan) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a disk update's files, in file order."""
-    from safetensors import safe_open
-
     for file in plan.files:
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+        yield from mapped_safetensors(file)
+
+
+def mapped_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one safetensors file, in the order of their bytes: views of the file
+    mapped copy-on-write, so the load copies every byte once, from the page cache into the
+    parameters (docs/weights.md, "disk"). The server checked the header before planning the
+    update; a file changed since fails the load (LOAD_FAILED) at the tensor that no longer fits."""
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    (header_len,) = struct.unpack_from("<Q", mapping, 0)
+    header = json.loads(mapping[8 : 8 + header_len])
+    data = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping while a view lives
+    start = 8 + header_len
+    entries = sorted(
+        ((name, entry) for name, entry in header.items() if name != "__metadata__"),
+        key=lambda item: int(item[1]["data_offsets"][0]),
+    )
+    for name, entry in entries:
+        begin, end = (int(x) for x in entry["data_offsets"])
+        dtype = dtypes.BY_SAFETENSORS[entry["dtype"]].name
+        shape = tuple(int(dim) for dim in entry["shape"])
+        if end - begin != dtypes.nbytes(dtype, shape) or start + end > data.numel():
+            raise ValueError(f"{os.path.basename(path)}: tensor {name!r} does not fit the file")
+        yield name, typed_view(data, start + begin, dtype, shape)
 
 
 def _nbytes(spec: TensorSpec) -> int:
