@@ -290,6 +290,34 @@ def test_bucketed_broadcasts_load_the_same_bytes_as_per_tensor_ones(
         client.destroy_weights_update_group("buckets", allow_missing=True)
 
 
+def test_a_groups_io_threads_may_run_on_every_engine_core(client: TrainerClient, weights_server: ServeProcess) -> None:
+    """vLLM's CPU worker binds itself to the cores it computes on (here one of two), and a
+    thread inherits the binding of the thread that starts it. The threads a group starts in
+    the worker (gloo's and its store's I/O) only move bytes: they may run on every core the
+    engine may use (worker/weights/cores.py), so a broadcast's receive runs beside the load
+    instead of taking turns with it. The worker's own binding is left as it was."""
+    import os
+
+    workers = [p for p in weights_server.descendants() if "Worker" in p.name()]
+    assert workers, [p.name() for p in weights_server.descendants()]
+    worker = workers[0]
+    engine = set(os.sched_getaffinity(weights_server.pid))
+    for process in weights_server.descendants():
+        engine |= set(os.sched_getaffinity(process.pid))
+    bound = set(os.sched_getaffinity(worker.pid))
+    if bound == engine:
+        pytest.skip("vLLM did not bind its worker to fewer cores than the engine has here")
+    before = {t.id for t in worker.threads()}
+    client.init_weights_update_group("cores", timeout=60.0)
+    try:
+        started = [t.id for t in worker.threads() if t.id not in before]
+        assert started, "joining a group started no thread in the worker"
+        assert {tid: set(os.sched_getaffinity(tid)) for tid in started} == dict.fromkeys(started, engine)
+        assert set(os.sched_getaffinity(worker.pid)) == bound
+    finally:
+        client.destroy_weights_update_group("cores", allow_missing=True)
+
+
 def test_distributed_bucket_bytes_over_the_bound_is_refused(client: TrainerClient, checkpoints: Checkpoints) -> None:
     before = client.get_weight_version()
     client.init_weights_update_group("too-big-buckets", timeout=60.0)

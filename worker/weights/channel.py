@@ -12,6 +12,7 @@ import zmq
 
 from enginectl.contract import frames
 from enginectl.contract.engine import Cause, LoadPlan, Source
+from enginectl.worker.weights.cores import unbound
 
 PROGRESS_INTERVAL_S = 0.05
 POLL_MS = 20
@@ -30,7 +31,8 @@ class Channel:
 
     def __init__(self, plan: LoadPlan, dp_rank: int) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self.data = self._ctx.socket(zmq.PULL)
+        with unbound():  # ZMQ starts its I/O thread with the context's first socket
+            self.data = self._ctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.connect(plan.data_endpoints[dp_rank])
         self.progress_socket = self._ctx.socket(zmq.PUSH)

@@ -21,6 +21,7 @@ import torch
 from enginectl.common import buckets, dtypes
 from enginectl.contract.engine import Backend, Cause, GroupJoined, GroupSpec, LoadPlan, TensorSpec, read, wire
 from enginectl.worker.weights.channel import POLL_MS, Abort, Channel
+from enginectl.worker.weights.cores import unbind_this_thread, unbound
 from enginectl.worker.weights.ranks import dp_rank, global_rank
 
 GROUP_INIT_FAILED = "GROUP_INIT_FAILED"
@@ -121,6 +122,7 @@ class GroupsMixin:
         receive_buffers = _buffers(group, specs, plan_buckets)
 
         def receive() -> None:
+            unbind_this_thread()  # it only waits and moves bytes (worker/weights/cores.py)
             waiting_since = time.monotonic()
             try:
                 for bucket, buffer in zip(plan_buckets, receive_buffers, strict=True):
@@ -213,6 +215,11 @@ def _join(spec: GroupSpec, rank: int) -> Any:
     """The process group `spec` with this worker as `rank` (blocks until every member joined,
     or the timeout)."""
     timeout = datetime.timedelta(seconds=spec.timeout)
+    with unbound():  # the store's and gloo's I/O threads start here, and move bytes only
+        return _new_group(spec, rank, timeout)
+
+
+def _new_group(spec: GroupSpec, rank: int, timeout: datetime.timedelta) -> Any:
     store = torch.distributed.TCPStore(
         spec.master_address,
         spec.master_port,

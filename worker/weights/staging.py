@@ -46,6 +46,7 @@ from enginectl.contract.engine import (
     wire,
 )
 from enginectl.worker.weights.channel import Abort, Channel
+from enginectl.worker.weights.cores import unbind_this_thread
 from enginectl.worker.weights.groups import typed_view
 from enginectl.worker.weights.ranks import dp_rank
 
@@ -213,7 +214,9 @@ def _stage(
     lose_report: bool = False,
 ) -> None:
     """The staging thread: receive every tensor into the buffer, digest it, report
-    (`lose_report`: an injected fault, FAULT_ENV)."""
+    (`lose_report`: an injected fault, FAULT_ENV). Not bound to the worker's cores: it runs
+    beside generation, not between its steps (worker/weights/cores.py)."""
+    unbind_this_thread()
     total = staged.buffer.numel()
     try:
         if staged.source == Source.TENSORS:
