@@ -17,6 +17,13 @@ next to the measurements the floors bound:
   reload (bench/worker_ext.py, through /collective_rpc) started beside it, rep by rep, and
   times until both ended: an update that overlapped its receive and its load perfectly
   would take that long.
+- **the declaration's fingerprint**: every update that declares a version records the
+  fingerprint of the weights it loaded, in the same operation (the response carries it), and
+  no baseline does: on vLLM's CPU build that is a gemv probe of every packed linear layer, a
+  pass over every weight (docs/weights.md, "Threads and the weights"). The bench times a
+  sampled VerifyWeights (the same digest, one gRPC call and one engine round trip) right
+  after each baseline reload, on fresh kernels as after an update's load; baseline + that is
+  the least an update that keeps the contract can take.
 - **engine round trip**: PauseGeneration and ResumeGeneration each need at least one
   EngineCore utility round trip (vLLM's pause_scheduler, resume_scheduler) behind one gRPC
   call. GetGenerationState is one gRPC call that costs exactly one EngineCore utility round

@@ -177,16 +177,26 @@ def _checkpoint_figures(key: str, ck: dict[str, Any]) -> list[dict[str, Any]]:
                 ck["ipc"],
             )
         )
+    fingerprint_ms = disk.get("fingerprint", {}).get("median_ms")
     for kind, rpc, baseline, base, group in rows:
         ours = group["enginectl"]["gb_per_s"]
         ratio = _ratio(ours, base)
         floor = f"memcpy {copy['gb_per_s']:.3f} GB/s = {copy['median_ms']:.0f} ms"
+        if fingerprint_ms is not None:  # what the contract adds to the baseline (bench/floors.py)
+            with_fingerprint = ck["payload_bytes"] / base / 1e6 + fingerprint_ms
+            floor += (
+                f"; baseline + the declaration's fingerprint ({fingerprint_ms:.0f} ms) "
+                f"{with_fingerprint:.0f} ms: {_ratio(with_fingerprint, group['enginectl']['median_ms'])}x of it"
+            )
         both = group.get(BESIDE.get(kind, ""))
         if both:  # the raw transport with the in-memory reload beside it (bench/floors.py)
             floor += (
                 f"; transport and reload at once {both['median_ms']:.0f} ms: "
                 f"{_ratio(both['median_ms'], group['enginectl']['median_ms'])}x of it"
             )
+            if fingerprint_ms is not None:
+                at_once = both["median_ms"] + fingerprint_ms
+                floor += f", with the fingerprint {at_once:.0f} ms: {_ratio(at_once, group['enginectl']['median_ms'])}x"
         out.append(
             {
                 "figure": f"{rpc}, {what}",

@@ -256,16 +256,25 @@ def measure_pause(client: Any, http_port: int, reps: int) -> tuple[dict[str, Any
 def measure_disk(
     client: Any, http_port: int, model: Path, payload: int, reps: int, copy: floors.MemcpyFloor
 ) -> dict[str, Any]:
-    """enginectl's UpdateWeightsFromDisk vs vLLM's own reload_weights of the same directory."""
-    ours, theirs, done = [], [], []
+    """enginectl's UpdateWeightsFromDisk vs vLLM's own reload_weights of the same directory;
+    and the fingerprint every declaration takes, alone: a sampled VerifyWeights right after
+    each reload (fresh kernels, as after an update's load; bench/floors.py)."""
+    ours, theirs, done, fingerprint = [], [], [], []
     body = {"method": "reload_weights", "kwargs": {"weights_path": str(model)}}
     for i in range(reps):
         t0 = time.perf_counter()
         done.append(client.update_weights_from_disk(str(model), f"disk-{i}"))
         ours.append(time.perf_counter() - t0)
         theirs.append(http_post(http_port, "/collective_rpc", body))
+        t0 = time.perf_counter()
+        client.verify_weights()
+        fingerprint.append(time.perf_counter() - t0)
         copy.sample()
-    return {"enginectl": summary(ours, payload, done), "reload_weights": summary(theirs, payload)}
+    return {
+        "enginectl": summary(ours, payload, done),
+        "reload_weights": summary(theirs, payload),
+        "fingerprint": summary(fingerprint),
+    }
 
 
 def measure_tensors(
