@@ -90,10 +90,10 @@ class _FullDigest:
     weights (the same layers, inputs and kernels), and folds them in instead of a second pass
     over every packed weight; a verification probes the weights as they are now."""
 
-    def __init__(self, model: Any, probes: list[tuple[str, bytes]] | None = None) -> None:
-        self._tensors = _hashable_tensors(model)
-        self._layers = list(_packed_linears(model))
-        self._probes = probes
+    def __init__(self, model: Any, sampled: _Sampled | None = None) -> None:
+        self._tensors = sampled.tensors if sampled else _hashable_tensors(model)
+        self._layers = sampled.layers if sampled else list(_packed_linears(model))
+        self._probes = sampled.probes if sampled else None
         self._digest = hashlib.blake2b(digest_size=16)
         self._index = 0
         self._offset = 0
@@ -179,8 +179,8 @@ class FingerprintMixin:
         """The sampled digest of the weights in memory now (milliseconds). Full digests are
         taken in slices (`enginectl_full_digest`). Names both methods."""
         with weight_access(self, "fingerprint"):
-            digest, probes = _sampled_digest(self.model_runner.get_model())  # type: ignore[attr-defined]
-        return self._enginectl_digest_answer(digest, len(probes))
+            sampled = _sampled_digest(self.model_runner.get_model())  # type: ignore[attr-defined]
+        return self._enginectl_digest_answer(sampled.digest, len(sampled.probes))
 
     def enginectl_declare_fingerprint(self, token: str) -> Any:
         """At a declaration: the sampled digest now (milliseconds), and a full digest recorded
@@ -189,7 +189,8 @@ class FingerprintMixin:
         hashed (no enginectl write since and the same sampled digest): then it is reused."""
         with weight_access(self, "declare fingerprint"):
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
-            digest, probes = _sampled_digest(model)
+            sampled = _sampled_digest(model)
+            digest = sampled.digest
             state = self._enginectl_fingerprints()
             last = state.baseline
             if (
@@ -200,8 +201,8 @@ class FingerprintMixin:
             ):
                 state.baseline = _Baseline(token, state.epoch, digest, last.job)
             else:
-                state.baseline = _Baseline(token, state.epoch, digest, _FullDigest(model, probes))
-        return self._enginectl_digest_answer(digest, len(probes))
+                state.baseline = _Baseline(token, state.epoch, digest, _FullDigest(model, sampled))
+        return self._enginectl_digest_answer(digest, len(sampled.probes))
 
     def enginectl_full_digest(self, job: str, token: str, budget_bytes: int = SLICE_BYTES) -> Any:
         """One slice of a full digest (a DigestSlice). `job` BASELINE: the digest of the
@@ -263,21 +264,33 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-def _sampled_digest(model: Any) -> tuple[str, list[tuple[str, bytes]]]:
-    """Every parameter at SAMPLE_ELEMENTS evenly spaced elements, plus the probes; (the
-    digest, the probe outputs it folded in)."""
+@dataclass(frozen=True)
+class _Sampled:
+    """A sampled digest, and what it read: the tensors and packed layers it listed and the
+    probe outputs it folded in (a declaration's full baseline starts from them)."""
+
+    digest: str
+    tensors: list[tuple[str, torch.Tensor]]
+    layers: list[tuple[str, Any, int]]
+    probes: list[tuple[str, bytes]]
+
+
+def _sampled_digest(model: Any) -> _Sampled:
+    """Every parameter at SAMPLE_ELEMENTS evenly spaced elements, plus the probes."""
     digest = hashlib.blake2b(digest_size=16)
+    tensors = _hashable_tensors(model)
+    layers = list(_packed_linears(model))
     with torch.inference_mode():
-        for name, tensor in _hashable_tensors(model):
+        for name, tensor in tensors:
             digest.update(_header(name, tensor))
             flat = tensor.detach().reshape(-1)
             if flat.numel() > SAMPLE_ELEMENTS:
                 flat = flat[_sample_indices(flat.numel())]
             digest.update(flat.contiguous().view(torch.uint8).numpy().tobytes())
-        probes = [_probe_output(*layer) for layer in _packed_linears(model)]
+        probes = [_probe_output(*layer) for layer in layers]
     for name, output in probes:
         _fold_probe(digest, name, output)
-    return digest.hexdigest(), probes
+    return _Sampled(digest.hexdigest(), tensors, layers, probes)
 
 
 @functools.lru_cache(maxsize=4096)
