@@ -22,6 +22,7 @@ mapped fails the load with IPC_HANDLE_UNAVAILABLE while the weights are still un
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -36,6 +37,7 @@ SHM_DIR = "/dev/shm"
 # torch's RefcountedMapAllocator keeps the segment's reference count in front of the data,
 # padded to its alignment (tests/test_weights_ipc.py checks it against the torch in use).
 SHM_HEADER_BYTES = 64
+MADV_POPULATE_READ = 22  # Linux >= 5.14; Python's mmap module does not name it
 SEGMENT = re.compile(SHM_SEGMENT_PATTERN)
 
 
@@ -119,9 +121,15 @@ def _map(name: str, segment: str, nbytes: int) -> mmap.mmap:
                 f"{name}: segment {segment} holds {max(info.st_size - SHM_HEADER_BYTES, 0)} bytes "
                 f"of data; its handle says {nbytes}",
             )
-        return mmap.mmap(fd, needed, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(fd, needed, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+    # Map every page now, read-only, in one call, instead of one fault per page as vLLM reads
+    # them (3% of an IPC load here; no copy: a private page is copied only when written). A
+    # kernel before 5.14 refuses the advice; the pages then fault in as they are read.
+    with contextlib.suppress(OSError):
+        mapping.madvise(MADV_POPULATE_READ)
+    return mapping
 
 
 def _cuda_tensor(spec: TensorSpec, dtype: torch.dtype, handle: IpcHandle, share: CudaShare) -> torch.Tensor:
