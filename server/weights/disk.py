@@ -21,6 +21,7 @@ from typing import BinaryIO
 import grpc
 
 from enginectl.common import dtypes
+from enginectl.common.safetensors_header import HeaderError, parse_header
 from enginectl.server.errors import ControlPlaneError, FieldViolation, Reason, invalid_field
 from enginectl.server.limits import MAX_HEADER_BYTES, MAX_INDEX_BYTES, MAX_PATH_BYTES, MAX_SHAPE_RANK
 
@@ -122,33 +123,10 @@ def read_header(path: Path) -> list[TensorInfo]:
             )
         raw = handle.read(length)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise unsupported(f"{path.name}: malformed safetensors header") from None
-    if not isinstance(header, dict):
-        raise unsupported(f"{path.name}: malformed safetensors header")
-    tensors: list[tuple[int, TensorInfo]] = []
-    data_size = size - 8 - length
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = dtypes.BY_SAFETENSORS[entry["dtype"]].name
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise unsupported(f"{path.name}: malformed entry for tensor {name!r}") from None
-        if len(shape) > MAX_SHAPE_RANK or any(d < 0 for d in shape):
-            raise unsupported(f"{path.name}: tensor {name!r} has a malformed shape {list(shape)}")
-        info = TensorInfo(name, dtype, shape)
-        if end - begin != info.nbytes or begin < 0:
-            raise unsupported(f"{path.name}: tensor {name!r} has inconsistent offsets")
-        if end > data_size:
-            raise unsupported(f"{path.name}: truncated (tensor {name!r} ends past the end of the file)")
-        tensors.append((begin, info))
-    if not tensors:
-        raise unsupported(f"{path.name}: holds no tensor")
-    return [info for _, info in sorted(tensors, key=lambda t: t[0])]
+        entries = parse_header(raw, path.name, data_size=size - 8 - length, max_rank=MAX_SHAPE_RANK)
+    except HeaderError as exc:
+        raise unsupported(str(exc)) from None
+    return [TensorInfo(e.name, e.dtype, e.shape) for e in entries]
 
 
 def _inside(path: Path, roots: Iterable[Path]) -> bool:

@@ -21,7 +21,6 @@ unmapped before the RPC answers (worker/weights/ipc.py).
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import struct
@@ -34,6 +33,7 @@ import torch
 
 import enginectl.worker.engine_core  # noqa: F401  (attaches enginectl's EngineCore utilities)
 from enginectl.common import dtypes
+from enginectl.common.safetensors_header import parse_header
 from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, Source, TensorSpec, WorkerRpc, read, wire
 from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.fingerprints import FingerprintMixin, weight_access
@@ -162,20 +162,13 @@ def mapped_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     with open(path, "rb") as handle:
         mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     (header_len,) = struct.unpack_from("<Q", mapping, 0)
-    header = json.loads(mapping[8 : 8 + header_len])
-    data = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping while a view lives
     start = 8 + header_len
-    entries = sorted(
-        ((name, entry) for name, entry in header.items() if name != "__metadata__"),
-        key=lambda item: int(item[1]["data_offsets"][0]),
-    )
-    for name, entry in entries:
-        begin, end = (int(x) for x in entry["data_offsets"])
-        dtype = dtypes.BY_SAFETENSORS[entry["dtype"]].name
-        shape = tuple(int(dim) for dim in entry["shape"])
-        if end - begin != dtypes.nbytes(dtype, shape) or start + end > data.numel():
-            raise ValueError(f"{os.path.basename(path)}: tensor {name!r} does not fit the file")
-        yield name, typed_view(data, start + begin, dtype, shape)
+    name = os.path.basename(path)
+    data = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping while a view lives
+    for entry in parse_header(mapping[8:start], name):
+        if start + entry.end > data.numel():
+            raise ValueError(f"{name}: tensor {entry.name!r} does not fit the file")
+        yield entry.name, typed_view(data, start + entry.begin, entry.dtype, entry.shape)
 
 
 def _nbytes(spec: TensorSpec) -> int:
