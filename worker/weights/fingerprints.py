@@ -92,7 +92,7 @@ class _FullDigest:
 
     def __init__(self, model: Any, sampled: _Sampled | None = None) -> None:
         self._tensors = sampled.tensors if sampled else _hashable_tensors(model)
-        self._layers = sampled.layers if sampled else list(_packed_linears(model))
+        self.layers = sampled.layers if sampled else list(_packed_linears(model))
         self._probes = sampled.probes if sampled else None
         self._digest = hashlib.blake2b(digest_size=16)
         self._index = 0
@@ -127,12 +127,12 @@ class _FullDigest:
         if self._probes is not None:
             for name, output in self._probes:
                 _fold_probe(self._digest, name, output)
-            self._probed = len(self._layers)
+            self._probed = len(self.layers)
         with torch.inference_mode():
-            while self._probed < len(self._layers):
+            while self._probed < len(self.layers):
                 if time.monotonic() >= stop_at:
                     return False  # the probes go on in the next slice
-                _fold_probe(self._digest, *_probe_output(*self._layers[self._probed]))
+                _fold_probe(self._digest, *_probe_output(*self.layers[self._probed]))
                 self._probed += 1
         self.result = self._digest.hexdigest()
         return True
@@ -232,7 +232,7 @@ class FingerprintMixin:
                     worker_rank,
                     done=True,
                     digest=str(digest_job.result),
-                    method=_methods(_count_probes(model))[1],
+                    method=_methods(len(digest_job.layers))[1],
                 )
             )
 
@@ -317,10 +317,6 @@ def _packed_linears(model: Any) -> Iterator[tuple[str, Any, int]]:
         in_features = int(getattr(module, "input_size_per_partition", 0) or getattr(module, "input_size", 0))
         if in_features > 0:
             yield name, module, in_features
-
-
-def _count_probes(model: Any) -> int:
-    return sum(1 for _ in _packed_linears(model))
 
 
 def _probe_output(name: str, module: Any, in_features: int) -> tuple[str, bytes]:
