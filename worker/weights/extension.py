@@ -67,7 +67,9 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin):
         mapped: IpcTensors | None = None
         try:
             if plan.source == Source.DISK:
-                tensors = disk_tensors(plan)
+                # Every file mapped and viewed before vLLM sees a tensor: a file that no longer
+                # fits its header fails the load with the weights untouched.
+                tensors = _handed_over(list(disk_tensors(plan)))
             elif plan.source == Source.STAGED:  # a commit: from memory staged earlier
                 tensors = self._enginectl_staged_tensors(plan)
             elif plan.source == Source.TENSORS:
@@ -79,6 +81,10 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin):
             else:
                 tensors = self._enginectl_broadcast_tensors(plan, channel)
 
+            # Sizes by name, taken here: a torch call per tensor costs several times more once
+            # vLLM's reload runs this generator (docs/weights.md, "Threads and the weights").
+            sizes = {spec.name: _nbytes(spec) for spec in plan.tensors}
+
             def guarded() -> Iterator[tuple[str, torch.Tensor]]:
                 try:
                     for name, tensor in tensors:
@@ -88,7 +94,8 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin):
                         state.yielded += 1
                         yield name, tensor
                         state.loaded += 1
-                        state.nbytes += tensor.numel() * tensor.element_size()
+                        size = sizes.get(name)
+                        state.nbytes += tensor.nbytes if size is None else size
                         channel.progress(state.loaded, state.nbytes)
                 except Abort as exc:
                     state.error = LoadError(exc.cause, str(exc))
@@ -123,24 +130,21 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin):
         )
 
     def _enginectl_stream_tensors(self, plan: LoadPlan, channel: Channel) -> Iterator[tuple[str, torch.Tensor]]:
-        """Tensors from stream chunks, each yielded as soon as its last byte arrived."""
+        """Tensors from stream chunks, each yielded as soon as its last byte arrived. Every
+        view of the reused receive buffer is made here, before vLLM's reload runs (inside it
+        each torch call costs several times more); a tensor that a 1-byte tensor of odd size
+        left unaligned is copied once it arrived instead (None until then)."""
         specs = plan.tensors
-        total = sum(_nbytes(spec) for spec in specs)
-        buffer = _reusable_buffer(self, total)
-        view = memoryview(buffer.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
-        index, start = 0, 0
-        while index < len(specs):
-            chunk = channel.recv()  # an abort raises: short streams end that way
-            view[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
-            received = chunk.offset + len(chunk.data)
-            while index < len(specs) and start + _nbytes(specs[index]) <= received:
-                spec = specs[index]
-                size = _nbytes(spec)
-                # A view, or a copy when a 1-byte tensor of odd size came before it.
-                tensor = typed_view(buffer, start, spec.dtype, spec.shape)
-                start += size
-                index += 1
-                yield spec.name, tensor
+        buffer = _reusable_buffer(self, sum(_nbytes(spec) for spec in specs))
+        views: list[torch.Tensor | None] = []
+        ends: list[int] = []
+        start = 0
+        for spec in specs:
+            aligned = start % getattr(torch, spec.dtype).itemsize == 0
+            views.append(typed_view(buffer, start, spec.dtype, spec.shape) if aligned else None)
+            start += _nbytes(spec)
+            ends.append(start)
+        return _streamed(specs, buffer, views, ends, channel)
 
 
 # Every worker RPC of the contract is a method here (vLLM's collective_rpc calls it by name).
@@ -169,6 +173,36 @@ def mapped_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         if start + entry.end > data.numel():
             raise ValueError(f"{name}: tensor {entry.name!r} does not fit the file")
         yield entry.name, typed_view(data, start + entry.begin, entry.dtype, entry.shape)
+
+
+def _streamed(
+    specs: tuple[TensorSpec, ...],
+    buffer: torch.Tensor,
+    views: list[torch.Tensor | None],
+    ends: list[int],
+    channel: Channel,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of `specs` (`views` of `buffer`, ending at `ends`) as the chunks fill it."""
+    received_view = memoryview(buffer.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+    index = 0
+    while index < len(specs):
+        chunk = channel.recv()  # an abort raises: short streams end that way
+        received_view[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
+        received = chunk.offset + len(chunk.data)
+        while index < len(specs) and ends[index] <= received:
+            spec, tensor = specs[index], views[index]
+            if tensor is None:
+                tensor = typed_view(buffer, ends[index] - _nbytes(spec), spec.dtype, spec.shape)
+            index += 1
+            yield spec.name, tensor
+
+
+def _handed_over(pairs: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`pairs` in order, each let go of once handed on: the list does not keep a tensor (and
+    its file mapping) alive after vLLM loaded it."""
+    pairs.reverse()
+    while pairs:
+        yield pairs.pop()
 
 
 def _nbytes(spec: TensorSpec) -> int:

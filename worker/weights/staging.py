@@ -66,6 +66,9 @@ class _Staged:
     specs: tuple[TensorSpec, ...]
     offsets: list[int]
     buffer: torch.Tensor  # uint8, exactly the set's bytes
+    # The tensors a commit loads: views of `buffer` made by the staging thread once every
+    # byte arrived (inside vLLM's reload each torch call costs several times more).
+    views: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     result: StageResult | None = None  # set by the staging thread when it ends
@@ -75,6 +78,7 @@ class _Staged:
 class _StagingState:
     current: _Staged | None = None
     buffer: torch.Tensor | None = None  # kept for reuse across stages
+    committed: bool = False  # a commit loaded from `buffer` since it was last (re)used
     faults_fired: set[str] = field(default_factory=set)  # FAULT_ENV
 
 
@@ -94,6 +98,8 @@ class StagingMixin:
         rank, worker = dp_rank(self), int(self.rank)  # type: ignore[attr-defined]
         state = self._enginectl_staging()
         _drop(state, free=False)  # the server keeps one set; a set it lost track of goes
+        if state.committed:
+            self._enginectl_release_if_kept(state)
         offsets, total = _layout(plan.tensors)
         buffer = _buffer(state, total)
         staged = state.current = _Staged(plan.stage_token, plan.source, plan.tensors, offsets, buffer)
@@ -142,16 +148,22 @@ class StagingMixin:
             raise Abort(Cause.LOAD_FAILED, "the staged set on this worker is not complete")
         state = self._enginectl_staging()
         fault = _fault(state, "commit-once")
-        for i, (spec, offset) in enumerate(zip(staged.specs, staged.offsets, strict=True)):
-            if fault and i == len(staged.specs) // 2:
+        for i, pair in enumerate(staged.views):
+            if fault and i == len(staged.views) // 2:
                 raise RuntimeError(f"injected commit fault ({FAULT_ENV}=commit-once)")
-            yield spec.name, typed_view(staged.buffer, offset, spec.dtype, spec.shape)
+            yield pair
 
     def _enginectl_after_commit(self) -> None:
-        """After loading from the staging buffer: if the model kept a view of it instead of
-        copying (a loader that assigns `param.data`), the buffer is the model's now and must
-        never be written by a later stage."""
-        state = self._enginectl_staging()
+        """After loading from the staging buffer: the next stage checks, before it reuses the
+        buffer, that the model kept no view of it (`_enginectl_release_if_kept`); not here,
+        where generation is still paused."""
+        self._enginectl_staging().committed = True
+
+    def _enginectl_release_if_kept(self, state: _StagingState) -> None:
+        """If the model kept a view of the staging buffer instead of copying (a loader that
+        assigns `param.data`), the buffer is the model's now and must never be written by a
+        later stage: it is let go of (the model's tensors keep it alive)."""
+        state.committed = False
         if state.buffer is None:
             return
         start = state.buffer.untyped_storage().data_ptr()
@@ -228,6 +240,10 @@ def _stage(
         else:
             raise Abort(Cause.LOAD_FAILED, f"{staged.source.value} updates can not be staged")
         digest = _digest(staged)
+        staged.views = [
+            (spec.name, typed_view(staged.buffer, offset, spec.dtype, spec.shape))
+            for spec, offset in zip(staged.specs, staged.offsets, strict=True)
+        ]
         result = StageResult(rank, worker, done=True, tensors=len(staged.specs), nbytes=total, digest=digest)
     except Abort as exc:
         result = StageResult(rank, worker, done=True, error=LoadError(exc.cause, str(exc)))
