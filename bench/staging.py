@@ -8,12 +8,16 @@ Runs in the `python -m bench` process, which only orchestrates; bench/weights.py
   checkpoint from disk, then commits it while a long rollout streams, interleaved rep by rep
   with vLLM's reload_weights over the same tensors already in the worker's memory
   (bench/worker_ext.py, through /collective_rpc) while a rollout streams. The commit's pause
-  is the server's paused window, pause + load + finish of the `phases_ms` of its "weights
-  updated" log line (from before pausing to after resuming, so it bounds the pause from
-  above); the baseline is the reload's time inside the worker. From the rollout's side: the
+  is the server's paused window, load + finish of the `phases_ms` of its "weights updated"
+  log line: from the pause's answer (the engine answers once it paused, after the step in
+  flight) to the resume's; the baseline is the reload's time inside the worker. The window
+  from the commit's start (pause + load + finish, which includes that wait for the step in
+  flight while generation still runs) is reported beside it. From the rollout's side: the
   longest gap between two streamed tokens across the commit vs across the reload.
   Each rep also times that reload over views of one flat buffer (the staging buffer's
-  layout), which splits a commit's extra load time into layout and the rest.
+  layout), which splits a commit's extra load time into layout and the rest, and a commit
+  that keeps the prefix cache (`reset_prefix_cache=false`), whose token gap leaves out the
+  rollout's recompute of its KV after the reset.
 - **Rollout throughput while staging.** Rounds cycle idle, staging, control, idle, ...:
   each runs the bench's rollout driver (bench/procs.py `rollout_driver`, streaming
   /v1/completions) for a window; in a staging round `python -m bench.staging_clients
@@ -85,16 +89,19 @@ def measure_commit(server: ServeProcess, model: Path, reps: int) -> dict[str, An
         if phases is None:
             raise RuntimeError(f"no 'weights updated' line for the commit {rep['version']}")
         rep["phases_ms"] = phases
-        rep["paused_s"] = sum(phases.get(k, 0.0) for k in ("pause", "load", "finish")) / 1e3
+        rep["paused_s"] = sum(phases.get(k, 0.0) for k in ("load", "finish")) / 1e3
+        rep["window_s"] = sum(phases.get(k, 0.0) for k in ("pause", "load", "finish")) / 1e3
     return {
         "reps": reps,
         "lead_tokens": res["lead_tokens"],
         "commit": {
             "paused_window": median_ms([r["paused_s"] for r in commits]),
+            "from_start": median_ms([r["window_s"] for r in commits]),
             "load": median_ms([r["phases_ms"].get("load", 0.0) / 1e3 for r in commits]),
             "worker_load": median_ms([r["rank_load_s"] for r in commits]),
             "client_call": median_ms([r["call_s"] for r in commits]),
             "token_gap": median_ms([r["gap_s"] for r in commits]),
+            "token_gap_keep_kv": median_ms([r["gap_s"] for r in res["reps"]["keep_kv"]]),
             "stage_idle": median_ms([r["stage_s"] for r in commits]),
         },
         "reload_in_memory": {
@@ -179,7 +186,7 @@ def figures(what: str, key: str, st: dict[str, Any], copy_floor: dict[str, Any])
     rows = []
     for figure, baseline, ours, base in (
         (
-            "Generation pause of a staged commit (server: pause + load + finish)",
+            "Generation pause of a staged commit (server: from the pause's answer to the resume's)",
             "reload_weights of the same tensors in the worker's memory (timed in the worker)",
             c["paused_window"]["median_ms"],
             r["in_worker"]["median_ms"],
@@ -240,11 +247,19 @@ def markdown(st: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|",
     ]
     rows = [
-        ("commit: server's paused window (pause + load + finish)", cm["commit"]["paused_window"]),
+        (
+            "commit: server's paused window, pause answered to resume answered (load + finish)",
+            cm["commit"]["paused_window"],
+        ),
+        ("commit: from its start to the resume's answer (pause + load + finish)", cm["commit"]["from_start"]),
         ("commit: load phase alone", cm["commit"]["load"]),
         ("commit: worker's own load time (rank 0 LoadResult.duration)", cm["commit"]["worker_load"]),
         ("commit: CommitStagedWeights call, client wall", cm["commit"]["client_call"]),
         ("commit: longest token gap across it", cm["commit"]["token_gap"]),
+        (
+            "commit keeping the prefix cache (reset_prefix_cache=false): longest token gap",
+            cm["commit"]["token_gap_keep_kv"],
+        ),
         ("reload in memory: in the worker (baseline)", cm["reload_in_memory"]["in_worker"]),
         (
             "reload in memory, views of one flat buffer (the staging layout): in the worker",
@@ -258,11 +273,14 @@ def markdown(st: dict[str, Any]) -> list[str]:
     lines += [f"| {name} | {s['n']} | {s['median_ms']} | {s['min_ms']} | {s['max_ms']} |" for name, s in rows]
     lines += [
         "",
-        "The paused window runs from the commit's start to its resume, so it bounds the pause from above: "
-        "its *pause* phase first reads every rank's generation state (one engine round trip, which waits "
-        "for the step in flight) while generation still runs, then pauses (another). The reload's in-worker "
-        "time leaves out its wait for the step in flight; both token gaps include it. A commit resets the "
-        "prefix cache, so the rollout also recomputes its short KV cache after it.",
+        "The paused window runs from the pause's answer to the resume's: the engine answers a pause once "
+        "it paused, after the step in flight, and resumes before it answers the finishing round trip, so "
+        "the window is the pause to within one engine round trip. The commit's *pause* phase before it "
+        "(reading every rank's state and pausing, one round trip) waits for that step while generation "
+        "still runs: the window from the commit's start includes it. The reload's in-worker time leaves "
+        "out its wait for the step in flight; both token gaps include it. A commit resets the prefix "
+        "cache, so the rollout also recomputes its KV after it; the commit that keeps the cache shows "
+        "what that recompute adds to the gap.",
     ]
     c = tp["_config"]
     lines += [

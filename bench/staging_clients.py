@@ -136,9 +136,17 @@ def commit_reps(target: str, http_port: int, served_model: str, model: Path, rep
     file = str(model / "model.safetensors")
     body = {"method": "bench_reload_in_memory", "kwargs": {"path": file}}
     http_json(http_port, "/collective_rpc", body)  # the worker holds the tensors from here on
-    rows: dict[str, list[dict[str, Any]]] = {"commit": [], "reload": [], "flat": []}
+    rows: dict[str, list[dict[str, Any]]] = {"commit": [], "reload": [], "flat": [], "keep_kv": []}
     with TrainerClient(target, timeout=600) as client:
         for i in range(reps):
+            # The same commit without the prefix-cache reset: the rollout keeps its KV, so the
+            # difference in token gap is the recompute the reset costs (bench/staging.py).
+            kept = client.stage_weights_from_disk(str(model), f"commit-keep-kv-{i}")
+
+            def commit_keeping_kv(name: str = kept.name) -> Any:
+                return client.commit_staged_weights(name, reset_prefix_cache=False)
+
+            rows["keep_kv"].append(spanning(http_port, served_model, commit_keeping_kv)[1])
             t0 = time.perf_counter()
             staged = client.stage_weights_from_disk(str(model), f"commit-{i}")
             stage_s = time.perf_counter() - t0
