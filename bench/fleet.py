@@ -14,6 +14,7 @@ each server's stage and commit (and its load and finish phases) took. Figure: me
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -48,11 +49,17 @@ def phase(quick: bool) -> dict[str, Any]:
 
 
 def _server(model: Path, index: int) -> ServeProcess:
+    """Fleet server `index`. Each gets a core of its own for its worker's compute, as two
+    engines sharing a host need (docs/weights.md, "The fleet"): left to vLLM's automatic
+    binding, every engine on the host binds its worker to the same first core."""
     from bench.procs import model_server
 
     server = model_server(model)
     server.name = f"enginectl-fleet-{index}"
     server.keep_lines = True  # each stage's and commit's own duration (its log lines)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= SERVERS:
+        server.env = server.env | {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}
     return server
 
 
