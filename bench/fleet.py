@@ -50,8 +50,9 @@ def phase(quick: bool) -> dict[str, Any]:
 
 def _server(model: Path, index: int) -> ServeProcess:
     """Fleet server `index`. Each gets a core of its own for its worker's compute, as two
-    engines sharing a host need (docs/weights.md, "The fleet"): left to vLLM's automatic
-    binding, every engine on the host binds its worker to the same first core."""
+    engines sharing a host need (docs/operations.md, "Several engines on one CPU host"): left
+    to vLLM's automatic binding, every engine on the host binds its worker to the same first
+    core."""
     from bench.procs import model_server
 
     server = model_server(model)

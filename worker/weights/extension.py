@@ -162,7 +162,9 @@ def mapped_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of one safetensors file, in the order of their bytes: views of the file
     mapped copy-on-write, so the load copies every byte once, from the page cache into the
     parameters (docs/weights.md, "disk"). The server checked the header before planning the
-    update; a file changed since fails the load (LOAD_FAILED) at the tensor that no longer fits."""
+    update; a file changed since raises at the tensor that no longer fits, and since a load
+    lists every file's tensors before vLLM sees one, the load fails (LOAD_FAILED) with the
+    weights untouched."""
     with open(path, "rb") as handle:
         mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     (header_len,) = struct.unpack_from("<Q", mapping, 0)
