@@ -60,7 +60,7 @@ def _server(model: Path, index: int) -> ServeProcess:
     server.keep_lines = True  # each stage's and commit's own duration (its log lines)
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= SERVERS:
-        server.env = server.env | {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}
+        server.env = server.env | {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index])}
     return server
 
 

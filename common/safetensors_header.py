@@ -1,9 +1,10 @@
 """The JSON header of a safetensors file (after its 8-byte length), parsed and checked.
 
-Torch-free, shared by the two ends of a disk update: the `enginectl serve` process checks
-every file's header before planning the update (server/weights/disk.py `read_header`), and
-each worker maps the file and views every tensor where the header says its bytes lie
-(worker/weights/extension.py `mapped_safetensors`).
+Torch-free, shared by both ends of a disk update: the `enginectl serve` process checks
+every file's header before planning the update (server/weights/disk.py `read_header`); each
+worker maps the file and views every tensor where the header says its bytes lie
+(worker/weights/extension.py `mapped_safetensors`), or, staging, reads those bytes into its
+staging buffer (worker/weights/staging.py `_read_files`).
 """
 
 from __future__ import annotations

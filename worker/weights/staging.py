@@ -20,7 +20,6 @@ about 7x slower than reused ones on a busy host (docs/weights.md, "Two-phase upd
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 import zlib
@@ -33,6 +32,7 @@ import torch
 import zmq
 
 from enginectl.common import dtypes
+from enginectl.common.safetensors_header import parse_header
 from enginectl.contract import frames
 from enginectl.contract.engine import (
     Cause,
@@ -320,7 +320,8 @@ READ_BYTES = 8 << 20  # a disk stage reads this much per call (stop and abort ch
 def _read_files(staged: _Staged, files: tuple[str, ...], channel: Channel) -> None:
     """A disk stage: every tensor's bytes read from the safetensors files straight into its
     place in the buffer (one copy, from the page cache; the read releases the GIL). The
-    server checked the headers; they are read again here, and the sizes checked."""
+    server checked the headers; they are parsed again here (common/safetensors_header.py),
+    and the sizes checked against the update's tensors."""
     index = {spec.name: i for i, spec in enumerate(staged.specs)}
     buffer = staged.buffer.numpy()
     done: set[int] = set()
@@ -328,26 +329,25 @@ def _read_files(staged: _Staged, files: tuple[str, ...], channel: Channel) -> No
     for file in files:
         with open(file, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(length))
+            entries = parse_header(f.read(length), os.path.basename(file))
             base = 8 + length
-            for name, meta in header.items():
-                if name == "__metadata__":
-                    continue
+            for entry in entries:
+                name = entry.name
                 i = index.get(name)
                 if i is None or i in done:
                     raise Abort(Cause.LOAD_FAILED, f"{name}: in {file} but not in the update's tensors, or twice")
-                start, end = meta["data_offsets"]
                 size = dtypes.nbytes(staged.specs[i].dtype, staged.specs[i].shape)
-                if end - start != size:
+                if entry.end - entry.begin != size:
                     raise Abort(
-                        Cause.DATA_SIZE_MISMATCH, f"{name}: {end - start} bytes in {file}; its spec holds {size}"
+                        Cause.DATA_SIZE_MISMATCH,
+                        f"{name}: {entry.end - entry.begin} bytes in {file}; its spec holds {size}",
                     )
                 position = staged.offsets[i]
                 while position < staged.offsets[i] + size:
                     _check(staged, channel)
                     count = min(READ_BYTES, staged.offsets[i] + size - position)
                     target = memoryview(buffer[position : position + count])  # type: ignore[arg-type]
-                    got = os.preadv(f.fileno(), [target], base + start + position - staged.offsets[i])
+                    got = os.preadv(f.fileno(), [target], base + entry.begin + position - staged.offsets[i])
                     if got <= 0:
                         raise Abort(Cause.LOAD_FAILED, f"{file} ends inside {name}")
                     position += got
