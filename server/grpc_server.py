@@ -13,7 +13,6 @@ import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
 from google.protobuf import descriptor as _descriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from enginectl.fpm.v1 import (
     forward_pass_metrics_service_pb2,
@@ -28,6 +27,7 @@ from enginectl.server.fpm.relay import FpmRelay
 from enginectl.server.fpm.stream import ForwardPassMetricsServicer
 from enginectl.server.interceptors import BearerToken, RpcInterceptor
 from enginectl.server.limits import MAX_MESSAGE_BYTES
+from enginectl.server.reflection import enable_reflection
 from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.server.weights.operations import OperationsServicer, OperationStore
 from enginectl.server.weights.update_service import WeightUpdateServicer
@@ -208,9 +208,7 @@ class ControlPlaneServer:
             add(cls(*arguments.get(name, ())), self._server)
         if rollouts is not None:
             rollouts.add_to_server(self._server, ledger)
-        reflection.enable_server_reflection(
-            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
-        )
+        enable_reflection((*self.service_names, health.SERVICE_NAME), self._server)
 
     def _server_info(self, engine: EngineInfo | None, auth: bool) -> weight_update_service_pb2.GetServerInfoResponse:
         """The GetServerInfo answer: fixed for the life of this server."""

@@ -134,7 +134,12 @@ def test_every_registered_rpc_is_fuzzed(fuzz_server: tuple[ServeProcess, Path]) 
         )
     # vLLM's own VllmEngine (rollouts on the control port, server/rollouts.py) is not fuzzed
     # here: its requests are vLLM's to validate (tests/test_rollouts_grpc.py covers a refusal).
-    theirs = {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", ROLLOUTS}
+    theirs = {
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+        ROLLOUTS,
+    }
     ours = registered - theirs
     assert ours == {s.full_name for s in SERVICES}
     assert {rpc for rpc in info.supported_rpcs if not rpc.startswith(ROLLOUTS)} <= {rpc_name(m) for m in METHODS}

@@ -24,9 +24,11 @@ SERVICES = {
     "enginectl.fpm.v1.ForwardPassMetricsService",
     "google.longrunning.Operations",
     "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
     "grpc.reflection.v1alpha.ServerReflection",
     "vllm.grpc.engine.VllmEngine",  # rollouts over gRPC (server/rollouts.py)
 }
+REFLECTION = {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"}
 WV = "enginectl.weights.v1.WeightVersionService"
 SIGTERM_EXIT_BOUND_S = 60.0
 
@@ -95,9 +97,36 @@ def test_list_and_describe_through_reflection(blackbox: ServeProcess) -> None:
         assert f" {field} = " in message.stdout
 
 
+def test_a_client_that_speaks_only_reflection_v1_lists_describes_and_calls(blackbox: ServeProcess) -> None:
+    """`buf curl` told to use grpc.reflection.v1 alone (as clients that dropped the v1alpha draft
+    do): the same services are listed, and a call is described and made from what it read."""
+    url = f"http://{blackbox.grpc_target}"
+    base = [str(BIN / "buf"), "curl", "--protocol", "grpc", "--http2-prior-knowledge"]
+    for protocol in ("grpc-v1", "grpc-v1alpha"):
+        reflect = [*base, "--reflect-protocol", protocol]
+        listed = subprocess.run([*reflect, "--list-services", url], capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert set(listed.stdout.split()) == SERVICES, protocol
+        # Every service's methods: the client reads each service's file descriptor.
+        methods = subprocess.run([*reflect, "--list-methods", url], capture_output=True, text=True, timeout=60)
+        assert methods.returncode == 0, methods.stderr
+        assert {f"{WV}/GetWeightVersion", "grpc.reflection.v1.ServerReflection/ServerReflectionInfo"} <= set(
+            methods.stdout.split()
+        ), protocol
+        got = subprocess.run([*reflect, f"{url}/{WV}/GetWeightVersion"], capture_output=True, text=True, timeout=60)
+        assert got.returncode == 0, got.stderr
+        # buf prints JSON field names (camelCase), grpcurl the proto's: the same resource.
+        expected = grpcurl_json(blackbox.grpc_target, f"{WV}/GetWeightVersion")["weight_version"]
+        answered = json.loads(got.stdout)["weightVersion"]
+        assert (answered["etag"], answered["incarnation"]) == (expected["etag"], expected["incarnation"]), protocol
+    described = grpcurl(blackbox.grpc_target, "describe", "grpc.reflection.v1.ServerReflection")
+    assert described.returncode == 0, described.stderr
+    assert "stream .grpc.reflection.v1.ServerReflectionRequest" in described.stdout
+
+
 def test_health_is_serving_for_server_and_each_service(blackbox: ServeProcess) -> None:
     assert grpcurl_json(blackbox.grpc_target, "grpc.health.v1.Health/Check") == {"status": "SERVING"}
-    for service in SERVICES - {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}:
+    for service in SERVICES - {"grpc.health.v1.Health", *REFLECTION}:
         checked = grpcurl_json(blackbox.grpc_target, "grpc.health.v1.Health/Check", data={"service": service})
         assert checked == {"status": "SERVING"}, service
 
