@@ -20,7 +20,7 @@ from enginectl.client.cli_errors import ExitCode, exit_code, report
 from enginectl.client.cli_fpm import watch
 from enginectl.client.cli_output import Output
 from enginectl.client.cli_top import run_top
-from enginectl.client.cli_views import VERSION_COLUMNS, render, version_row
+from enginectl.client.cli_views import VERSION_COLUMNS, operations_table, render, version_row
 from enginectl.client.client import ChannelConfig, ChannelOptions, Client
 from enginectl.client.errors import EnginectlError
 from enginectl.client.trainer import TrainerClient
@@ -135,6 +135,15 @@ class Commands:
     def operation_get(self) -> None:
         with self._trainer() as t:
             self.out.show(t.get_operation(self.args.name), render)
+
+    def operation_list(self) -> None:
+        with self._trainer() as t:
+            ops = t.list_operations(done=self.args.done)
+        if self.out.json:
+            for op in ops:  # a line per operation, as a stream's events
+                self.out.show(op, render)
+        else:
+            self.out.show(ops, operations_table)
 
     def operation_wait(self) -> int:
         with self._trainer() as t:

@@ -168,6 +168,15 @@ def _generation_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
 def _operation_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     verbs = _group(sub, "operation", "weight-update operations (google.longrunning)")
     _leaf(verbs, "get", "an operation as it is now", "NAME").add_argument("name", metavar="NAME")
+    listing = _leaf(
+        verbs,
+        "list",
+        "the operations the server keeps, newest first (running, then the last finished)",
+        "[--running|--done]",
+    )
+    only = listing.add_mutually_exclusive_group()
+    only.add_argument("--running", dest="done", action="store_false", default=None, help="only running operations")
+    only.add_argument("--done", dest="done", action="store_true", help="only finished operations")
     wait = _leaf(
         verbs,
         "wait",

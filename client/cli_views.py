@@ -117,6 +117,27 @@ def _(op: UpdateOperation) -> str:
     return _blocks(fields(pairs), ranks if p.ranks else "")
 
 
+def operations_table(ops: Sequence[UpdateOperation]) -> str:
+    """`operation list`: a row per operation, newest first; the error's reason if it failed."""
+    if not ops:
+        return "no operations"
+    return table(
+        ("NAME", "PHASE", "SOURCE", "VERSION", "TENSORS", "BYTES", "ERROR"),
+        [
+            (
+                op.name,
+                op.progress.phase,
+                _label(op.progress.source),
+                op.progress.weight_version,
+                f"{op.progress.tensors_done}/{op.progress.tensors_total}",
+                human_bytes(op.progress.bytes_done),
+                (op.error.reason or op.error.code.name) if op.error is not None else "",
+            )
+            for op in ops
+        ],
+    )
+
+
 @render.register
 def _(v: Verification) -> str:
     summary = fields([("Verdict", v.verdict), ("Method", v.method), ("Weight version", _version(v.weight_version))])

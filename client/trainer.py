@@ -453,6 +453,7 @@ class TrainerClient(Client):
     paused = entering(AsyncTrainerClient.paused)
     verify_weights = blocking(AsyncTrainerClient.verify_weights)
     get_operation = blocking(AsyncTrainerClient.get_operation)
+    list_operations = blocking(AsyncTrainerClient.list_operations)
     wait_operation = blocking(AsyncTrainerClient.wait_operation)
     cancel_operation = blocking(AsyncTrainerClient.cancel_operation)
     update_weights_from_disk = blocking(AsyncTrainerClient.update_weights_from_disk)

@@ -36,6 +36,19 @@ class AsyncOperationsClient(AsyncClient):
         op = await self._unary(self._operations.GetOperation, operations_pb2.GetOperationRequest(name=name), timeout)
         return UpdateOperation.from_proto(op)
 
+    async def list_operations(self, *, done: bool | None = None, timeout: float | None = None) -> list[UpdateOperation]:
+        """The update Operations this server incarnation keeps, newest first (running ones, and
+        the most recent finished ones); `done` True or False keeps only finished or running
+        ones. Reads every page."""
+        request = operations_pb2.ListOperationsRequest(filter="" if done is None else f"done={str(done).lower()}")
+        ops: list[UpdateOperation] = []
+        while True:
+            page = await self._unary(self._operations.ListOperations, request, timeout)
+            ops.extend(UpdateOperation.from_proto(op) for op in page.operations)
+            if not page.next_page_token:
+                return ops
+            request.page_token = page.next_page_token
+
     async def wait_operation(
         self, name: str, timeout: float | None = None, *, progress: bool = False
     ) -> UpdateOperation:

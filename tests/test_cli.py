@@ -155,6 +155,7 @@ COMMANDS = [
     "generation pause",
     "generation resume",
     "operation get",
+    "operation list",
     "operation wait",
     "operation cancel",
     "identity get",
@@ -434,3 +435,17 @@ def test_weights_load_draws_progress_then_per_rank_results(identified: str, chec
     ]
     verified = cli(identified, "weights", "verify")
     assert verified.returncode == 0 and json.loads(verified.stdout)["verdict"] == "MATCH"
+
+    # The operation is listed: a JSON line per operation, newest first, or a table row.
+    name = view["Operation"]
+    listed = cli(identified, "operation", "list")
+    assert listed.returncode == 0, listed.stderr
+    newest = json.loads(listed.stdout.splitlines()[0])
+    assert (newest["name"], newest["done"], newest["progress"]["phase"]) == (name, True, "DONE")
+    assert newest["progress"]["weight_version"] == "cli-a" and newest["response"]["operation"] == name
+    done = [json.loads(line)["name"] for line in cli(identified, "operation", "list", "--done").stdout.splitlines()]
+    assert done[0] == name
+    assert cli(identified, "operation", "list", "--running").stdout == ""  # nothing runs now
+    shown = on_terminal(identified, "operation", "list")
+    assert shown.code == 0, shown.stderr
+    assert shown.stdout.startswith("NAME") and rows(shown.stdout, name)[0][1:4] == ["DONE", "DISK", "cli-a"]

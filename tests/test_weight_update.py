@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from google.longrunning import operations_pb2
 from serving import BIN, ServeProcess
@@ -131,6 +132,36 @@ def test_operation_metadata_reports_progress(stubs: Stubs, checkpoints: Checkpoi
     listed = stubs.ops.ListOperations(operations_pb2.ListOperationsRequest(filter="done=true"))
     assert listed.operations[0].name == done.name
     assert stubs.ops.GetOperation(operations_pb2.GetOperationRequest(name=done.name)) == done
+
+
+def test_operations_list_in_pages_newest_first_and_refuse_a_forged_token(
+    stubs: Stubs, checkpoints: Checkpoints
+) -> None:
+    for version in ("page-a", "page-b", "page-c"):
+        stubs.load(checkpoints.b, version)
+    everything = stubs.ops.ListOperations(operations_pb2.ListOperationsRequest(filter="done=true")).operations
+    assert len(everything) >= 3
+    paged: list[operations_pb2.Operation] = []
+    request = operations_pb2.ListOperationsRequest(filter="done=true", page_size=2)
+    while True:
+        page = stubs.ops.ListOperations(request)
+        assert 1 <= len(page.operations) <= 2
+        paged.extend(page.operations)
+        if not page.next_page_token:
+            break
+        request.page_token = page.next_page_token
+    assert [op.name for op in paged] == [op.name for op in everything]
+    newest = []
+    for op in everything[:3]:
+        metadata = upb.UpdateWeightsMetadata()
+        op.metadata.Unpack(metadata)
+        newest.append(metadata.weight_version)
+    assert newest == ["page-c", "page-b", "page-a"]
+    for forged in ("-1", " 1", "1.0", "\u0663", "x"):  # \u0663: an Arabic-Indic 3, which int() takes
+        with pytest.raises(grpc.RpcError) as refused:
+            stubs.ops.ListOperations(operations_pb2.ListOperationsRequest(page_token=forged))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, forged
+        assert error_info(refused.value).reason == "PAGE_TOKEN_INVALID", forged
 
 
 def test_updates_are_counted_on_metrics(weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints) -> None:

@@ -198,12 +198,11 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
             ops = [op for op in ops if op.done == want]
         start = 0
         if request.page_token:
-            try:
-                start = int(request.page_token)
-            except ValueError:
-                raise invalid_field(
-                    Reason.PAGE_TOKEN_INVALID, "page_token", "not a token from a previous page"
-                ) from None
+            # A token is the offset a previous page answered: ASCII digits, nothing else (int()
+            # would also take "-1", " 1" and other scripts' digits).
+            if not (request.page_token.isascii() and request.page_token.isdigit()):
+                raise invalid_field(Reason.PAGE_TOKEN_INVALID, "page_token", "not a token from a previous page")
+            start = int(request.page_token)
         size = min(request.page_size or MAX_PAGE_SIZE, MAX_PAGE_SIZE)
         page = ops[start : start + size]
         response = operations_pb2.ListOperationsResponse(operations=[op.proto() for op in page])
