@@ -18,7 +18,7 @@ from enginectl.client import cli_fleet
 from enginectl.client.cli_args import parser
 from enginectl.client.cli_errors import ExitCode, exit_code, report
 from enginectl.client.cli_fpm import watch
-from enginectl.client.cli_output import Output
+from enginectl.client.cli_output import Output, human_bytes
 from enginectl.client.cli_top import run_top
 from enginectl.client.cli_views import VERSION_COLUMNS, operations_table, render, version_row
 from enginectl.client.client import ChannelConfig, ChannelOptions, Client
@@ -109,6 +109,51 @@ class Commands:
                 wait=not a.no_wait,
             )
         self.out.show(result, render)
+
+    def weights_stage(self) -> None:
+        a = self.args
+        with self._trainer() as t:
+            staged = t.stage_weights_from_disk(
+                a.path, a.version, timeout=a.update_timeout, progress=sys.stderr.isatty()
+            )
+        self.out.show(staged, render)
+
+    def weights_commit(self) -> int:
+        a = self.args
+        with self._trainer() as t:
+            name = a.name or self._staged_name(t)
+            if name is None:
+                return ExitCode.ERROR
+            result = t.commit_staged_weights(
+                name,
+                a.version,
+                etag=a.etag,
+                pause_mode=a.pause_mode,
+                reset_prefix_cache=not a.keep_prefix_cache,
+                timeout=a.update_timeout,
+                progress=sys.stderr.isatty(),
+                wait=not a.no_wait,
+            )
+        self.out.show(result, render)
+        return ExitCode.OK
+
+    def weights_discard(self) -> int:
+        with self._trainer() as t:
+            name = self.args.name or self._staged_name(t)
+            if name is None:
+                return ExitCode.ERROR
+            freed = t.discard_staged_weights(name)
+        self.out.show({"name": name, "bytes_freed": freed}, lambda _: f"{name}: discarded, {human_bytes(freed)} freed")
+        return ExitCode.OK
+
+    @staticmethod
+    def _staged_name(t: TrainerClient) -> str | None:
+        """The staged set the server holds (at most one), or None after saying there is none."""
+        staged = t.generation_state().staged
+        if staged is None:
+            print("enginectl: the server holds no staged set (enginectl weights stage PATH makes one)", file=sys.stderr)
+            return None
+        return staged.name
 
     def weights_verify(self) -> None:
         with self._trainer() as t:

@@ -132,7 +132,7 @@ def _version_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _weights_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    verbs = _group(sub, "weights", "load and verify the engine's weights")
+    verbs = _group(sub, "weights", "load, stage, commit and verify the engine's weights")
     load = _leaf(
         verbs,
         "load",
@@ -146,6 +146,30 @@ def _weights_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     load.add_argument("--keep-prefix-cache", action="store_true", help="do not reset the prefix cache")
     load.add_argument("--update-timeout", type=float, metavar="S", help="seconds the update may take")
     load.add_argument("--no-wait", action="store_true", help="print the running operation and return")
+    stage = _leaf(
+        verbs,
+        "stage",
+        "two-phase update, first phase: read safetensors at PATH into the server's staging area while it generates",
+        "PATH [--version V] [--update-timeout S]",
+    )
+    stage.add_argument("path", metavar="PATH", help="a file, directory or *.safetensors.index.json on the server")
+    stage.add_argument("--version", help="the version the commit declares, unless it names one")
+    stage.add_argument("--update-timeout", type=float, metavar="S", help="seconds the stage may take")
+    commit = _leaf(
+        verbs,
+        "commit",
+        "two-phase update, second phase: apply the staged set under one short pause",
+        "[NAME] [--version V] [--etag E] [--pause-mode M] [--keep-prefix-cache] [--update-timeout S] [--no-wait]",
+    )
+    commit.add_argument("name", nargs="?", metavar="NAME", help="the staged set (default: the one the server holds)")
+    commit.add_argument("--version", help="declare this version (default: the one the stage named)")
+    commit.add_argument("--etag", help="apply only if this is still the current etag (else exit 5)")
+    commit.add_argument("--pause-mode", choices=PAUSE_MODES, default="keep", help="what happens to running requests")
+    commit.add_argument("--keep-prefix-cache", action="store_true", help="do not reset the prefix cache")
+    commit.add_argument("--update-timeout", type=float, metavar="S", help="seconds the commit may take")
+    commit.add_argument("--no-wait", action="store_true", help="print the running operation and return")
+    discard = _leaf(verbs, "discard", "drop the staged set (a stage still receiving is cancelled)", "[NAME]")
+    discard.add_argument("name", nargs="?", metavar="NAME", help="the staged set (default: the one the server holds)")
     verify = _leaf(
         verbs,
         "verify",

@@ -16,6 +16,7 @@ from enginectl.client.trainer_types import (
     GenerationState,
     PauseResult,
     ServerInfo,
+    StagedWeights,
     UpdateOperation,
     UpdateResult,
     Verification,
@@ -117,6 +118,22 @@ def _(op: UpdateOperation) -> str:
     return _blocks(fields(pairs), ranks if p.ranks else "")
 
 
+@render.register
+def _(staged: StagedWeights) -> str:
+    return fields(
+        [
+            ("Staged", staged.name),
+            ("Source", _label(staged.source)),
+            ("Version", staged.weight_version),
+            ("Tensors", staged.tensors),
+            ("Bytes", human_bytes(staged.bytes)),
+            ("Fingerprint", staged.fingerprint[:DIGEST_CHARS]),
+            ("Expires", staged.expire_time),
+            ("Operation", staged.operation),
+        ]
+    )
+
+
 def operations_table(ops: Sequence[UpdateOperation]) -> str:
     """`operation list`: a row per operation, newest first; the error's reason if it failed."""
     if not ops:
@@ -178,6 +195,7 @@ def _generation(state: GenerationState, extra: Sequence[tuple[str, object]] = ()
             ("Running", state.num_running_requests),
             ("Waiting", state.num_waiting_requests),
             ("Update", state.update_operation),
+            ("Staged", state.staged.name if state.staged is not None else None),
             *extra,
         ]
     )

@@ -149,6 +149,9 @@ COMMANDS = [
     "version set",
     "version watch",
     "weights load",
+    "weights stage",
+    "weights commit",
+    "weights discard",
     "weights verify",
     "weights info",
     "generation state",
@@ -449,3 +452,36 @@ def test_weights_load_draws_progress_then_per_rank_results(identified: str, chec
     shown = on_terminal(identified, "operation", "list")
     assert shown.code == 0, shown.stderr
     assert shown.stdout.startswith("NAME") and rows(shown.stdout, name)[0][1:4] == ["DONE", "DISK", "cli-a"]
+
+
+def test_weights_stage_then_commit_or_discard_the_set_the_server_holds(
+    identified: str, checkpoints: Checkpoints
+) -> None:
+    """Two-phase from a shell: `weights stage` leaves a set (shown by `generation state`);
+    `weights commit` and `weights discard` act on it without being told its name."""
+    nothing = cli(identified, "weights", "commit")
+    assert nothing.returncode == 1 and "holds no staged set" in nothing.stderr, nothing.stderr
+    before = json.loads(cli(identified, "version", "get").stdout)
+
+    staged = cli(identified, "weights", "stage", str(checkpoints.b), "--version", "cli-b")
+    assert staged.returncode == 0, staged.stderr
+    held = json.loads(staged.stdout)
+    assert (held["weight_version"], held["tensors"]) == ("cli-b", len(checkpoints.state_dict("B")))
+    assert json.loads(cli(identified, "version", "get").stdout) == before  # nothing applied yet
+    state = on_terminal(identified, "generation", "state")
+    assert fields(state.stdout)["Staged"] == held["name"]
+
+    committed = cli(identified, "weights", "commit")
+    assert committed.returncode == 0, committed.stderr
+    result = json.loads(committed.stdout)
+    assert result["weight_version"]["version"] == "cli-b" and result["weight_version"]["source"] == "DISK"
+    assert json.loads(cli(identified, "weights", "verify").stdout)["verdict"] == "MATCH"
+    assert fields(on_terminal(identified, "generation", "state").stdout)["Staged"] == "-"
+
+    again = json.loads(cli(identified, "weights", "stage", str(checkpoints.a)).stdout)
+    dropped = cli(identified, "weights", "discard")
+    assert dropped.returncode == 0, dropped.stderr
+    assert json.loads(dropped.stdout) == {"name": again["name"], "bytes_freed": again["bytes"] * 2}  # 2 ranks
+    assert json.loads(cli(identified, "version", "get").stdout)["version"] == "cli-b"
+    gone = cli(identified, "weights", "discard", again["name"])
+    assert gone.returncode == 1 and "STAGED_WEIGHTS_NOT_FOUND" in gone.stderr
