@@ -13,6 +13,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from enginectl.client import cli_fleet
 from enginectl.client.cli_args import parser
@@ -98,16 +99,7 @@ class Commands:
     def weights_load(self) -> None:
         a = self.args
         with self._trainer() as t:
-            result = t.update_weights_from_disk(
-                a.path,
-                a.version,
-                etag=a.etag,
-                pause_mode=a.pause_mode,
-                reset_prefix_cache=not a.keep_prefix_cache,
-                timeout=a.update_timeout,
-                progress=sys.stderr.isatty(),
-                wait=not a.no_wait,
-            )
+            result = t.update_weights_from_disk(a.path, a.version, **self._apply_options())
         self.out.show(result, render)
 
     def weights_stage(self) -> None:
@@ -124,16 +116,7 @@ class Commands:
             name = a.name or self._staged_name(t)
             if name is None:
                 return ExitCode.ERROR
-            result = t.commit_staged_weights(
-                name,
-                a.version,
-                etag=a.etag,
-                pause_mode=a.pause_mode,
-                reset_prefix_cache=not a.keep_prefix_cache,
-                timeout=a.update_timeout,
-                progress=sys.stderr.isatty(),
-                wait=not a.no_wait,
-            )
+            result = t.commit_staged_weights(name, a.version, **self._apply_options())
         self.out.show(result, render)
         return ExitCode.OK
 
@@ -145,6 +128,18 @@ class Commands:
             freed = t.discard_staged_weights(name)
         self.out.show({"name": name, "bytes_freed": freed}, lambda _: f"{name}: discarded, {human_bytes(freed)} freed")
         return ExitCode.OK
+
+    def _apply_options(self) -> dict[str, Any]:
+        """The keyword arguments of `weights load` and `weights commit` (cli_args.py `_apply_flags`)."""
+        a = self.args
+        return {
+            "etag": a.etag,
+            "pause_mode": a.pause_mode,
+            "reset_prefix_cache": not a.keep_prefix_cache,
+            "timeout": a.update_timeout,
+            "progress": sys.stderr.isatty(),
+            "wait": not a.no_wait,
+        }
 
     @staticmethod
     def _staged_name(t: TrainerClient) -> str | None:

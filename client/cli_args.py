@@ -131,6 +131,18 @@ def _version_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     watch.add_argument("--incarnation", help="the incarnation N was read under (refused if the server restarted)")
 
 
+CHECKPOINT_HELP = "a file, directory or *.safetensors.index.json on the server"
+
+
+def _apply_flags(verb: argparse.ArgumentParser) -> None:
+    """The flags of a verb that applies weights (`weights load`, `weights commit`)."""
+    verb.add_argument("--etag", help="apply only if this is still the current etag (else exit 5)")
+    verb.add_argument("--pause-mode", choices=PAUSE_MODES, default="keep", help="what happens to running requests")
+    verb.add_argument("--keep-prefix-cache", action="store_true", help="do not reset the prefix cache")
+    verb.add_argument("--update-timeout", type=float, metavar="S", help="seconds the update may take")
+    verb.add_argument("--no-wait", action="store_true", help="print the running operation and return")
+
+
 def _weights_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     verbs = _group(sub, "weights", "load, stage, commit and verify the engine's weights")
     load = _leaf(
@@ -139,20 +151,16 @@ def _weights_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "UpdateWeightsFromDisk: load safetensors at PATH on the server, with a progress bar",
         "PATH [--version V] [--etag E] [--pause-mode M] [--keep-prefix-cache] [--update-timeout S] [--no-wait]",
     )
-    load.add_argument("path", metavar="PATH", help="a file, directory or *.safetensors.index.json on the server")
+    load.add_argument("path", metavar="PATH", help=CHECKPOINT_HELP)
     load.add_argument("--version", help="declare this version on success (else: undeclared)")
-    load.add_argument("--etag", help="apply only if this is still the current etag (else exit 5)")
-    load.add_argument("--pause-mode", choices=PAUSE_MODES, default="keep", help="what happens to running requests")
-    load.add_argument("--keep-prefix-cache", action="store_true", help="do not reset the prefix cache")
-    load.add_argument("--update-timeout", type=float, metavar="S", help="seconds the update may take")
-    load.add_argument("--no-wait", action="store_true", help="print the running operation and return")
+    _apply_flags(load)
     stage = _leaf(
         verbs,
         "stage",
         "two-phase update, first phase: read safetensors at PATH into the server's staging area while it generates",
         "PATH [--version V] [--update-timeout S]",
     )
-    stage.add_argument("path", metavar="PATH", help="a file, directory or *.safetensors.index.json on the server")
+    stage.add_argument("path", metavar="PATH", help=CHECKPOINT_HELP)
     stage.add_argument("--version", help="the version the commit declares, unless it names one")
     stage.add_argument("--update-timeout", type=float, metavar="S", help="seconds the stage may take")
     commit = _leaf(
@@ -163,11 +171,7 @@ def _weights_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     commit.add_argument("name", nargs="?", metavar="NAME", help="the staged set (default: the one the server holds)")
     commit.add_argument("--version", help="declare this version (default: the one the stage named)")
-    commit.add_argument("--etag", help="apply only if this is still the current etag (else exit 5)")
-    commit.add_argument("--pause-mode", choices=PAUSE_MODES, default="keep", help="what happens to running requests")
-    commit.add_argument("--keep-prefix-cache", action="store_true", help="do not reset the prefix cache")
-    commit.add_argument("--update-timeout", type=float, metavar="S", help="seconds the commit may take")
-    commit.add_argument("--no-wait", action="store_true", help="print the running operation and return")
+    _apply_flags(commit)
     discard = _leaf(verbs, "discard", "drop the staged set (a stage still receiving is cancelled)", "[NAME]")
     discard.add_argument("name", nargs="?", metavar="NAME", help="the staged set (default: the one the server holds)")
     verify = _leaf(
