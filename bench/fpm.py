@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import psutil
@@ -87,10 +88,10 @@ def phase_latency(eng: ServeProcess, quick: bool) -> dict[str, Any]:
 
 
 def _fanin_once(
-    eng: ServeProcess, endpoint: str, rate: float, seconds: float, rpc_probe: Worker | None = None
+    eng: ServeProcess, endpoint: str, rate: float, seconds: float, rpc_probes: Sequence[Worker] = ()
 ) -> dict[str, Any]:
-    """One fan-in run at `rate`; with `rpc_probe`, its GetWeightVersion latencies from `go`
-    until every subscriber is done are in the result's `rpc`."""
+    """One fan-in run at `rate`; with `rpc_probes`, their GetWeightVersion latencies from `go`
+    until every subscriber is done are in the result's `rpc` (a list, in their order)."""
     per_pub = int(rate * seconds / PUB_PROCS)
     total = per_pub * PUB_PROCS
     tag = f"{int(rate)}-{time.monotonic_ns() % 10**6}"
@@ -139,13 +140,13 @@ def _fanin_once(
             subs[0].expect("probe_seen", 60)
         for p in pubs:
             p.send("go")
-        if rpc_probe is not None:
-            rpc_probe.send("start")
+        for probe in rpc_probes:
+            probe.send("start")
         sent = [p.expect("result", seconds + 120) for p in pubs]
         results = [s.expect("result", seconds + 120) for s in subs]
-        if rpc_probe is not None:
-            rpc_probe.send("stop")
-            rpc = rpc_probe.expect("result", 60)
+        for probe in rpc_probes:
+            probe.send("stop")
+        rpc = [probe.expect("result", 60) for probe in rpc_probes]
     finally:
         for w in subs + pubs:
             w.finish()
@@ -170,12 +171,12 @@ def _fanin_once(
         "missed_exact": all(s["missed"] == total - s["received"] for s in per_sub),
         "last_receipt_s": round(last - t0, 2),
     }
-    if rpc_probe is not None:
-        out["rpc"] = {"latency": rpc["latency"], "errors": rpc["errors"]}
+    if rpc_probes:
+        out["rpc"] = [{"latency": r["latency"], "errors": r["errors"]} for r in rpc]
     return out
 
 
-def phase_fanin(eng: ServeProcess, quick: bool) -> dict[str, Any]:
+def phase_fanin(eng: ServeProcess, quick: bool, bare: ServeProcess | None = None) -> dict[str, Any]:
     endpoint = relay_endpoint(eng)
     seconds = 2.0 if quick else 5.0
     rates = [50_000.0] if quick else [25_000.0, 50_000.0, 75_000.0, 100_000.0, 150_000.0, 200_000.0]
@@ -194,30 +195,45 @@ def phase_fanin(eng: ServeProcess, quick: bool) -> dict[str, Any]:
         "window_s": seconds,
         "runs": runs,
         "best_zero_loss": best,
-        "overload": phase_overload(eng, endpoint, runs, best, seconds),
+        "overload": phase_overload(eng, endpoint, runs, best, seconds, bare),
     }
 
 
 def phase_overload(
-    eng: ServeProcess, endpoint: str, runs: list[dict[str, Any]], best: dict[str, Any] | None, seconds: float
+    eng: ServeProcess,
+    endpoint: str,
+    runs: list[dict[str, Any]],
+    best: dict[str, Any] | None,
+    seconds: float,
+    bare: ServeProcess | None = None,
 ) -> dict[str, Any]:
-    """OVERLOAD_FACTOR x capacity offered, with GetWeightVersion probed meanwhile and idle."""
+    """OVERLOAD_FACTOR x capacity offered, with GetWeightVersion probed meanwhile and idle, on
+    enginectl and (given `bare`) at once on a bare grpc.aio server in a process of its own:
+    what the same load costs a server that does no FPM work."""
     # Capacity: the best zero-loss delivered rate (or, if no rate passed, the best delivered).
     capacity = best["delivered_rate_min"] if best else max(r["delivered_rate_min"] for r in runs)
     offered = round(OVERLOAD_FACTOR * capacity, -3)
-    probe = _worker(["rpc-probe", "--target", eng.grpc_target, "--max-seconds", str(4 * seconds + 600)])
+    targets = [eng] + ([bare] if bare is not None else [])
+    probes = [
+        _worker(["rpc-probe", "--target", t.grpc_target, "--max-seconds", str(4 * seconds + 600)]) for t in targets
+    ]
     try:
-        probe.expect("ready", 60)
+        for probe in probes:
+            probe.expect("ready", 60)
         log(f"fpm overload: GetWeightVersion idle for {seconds:.0f}s")
-        probe.send("start")
-        time.sleep(seconds)  # the idle window (the probe calls meanwhile)
-        probe.send("stop")
-        idle = probe.expect("result", 60)
+        for probe in probes:
+            probe.send("start")
+        time.sleep(seconds)  # the idle window (the probes call meanwhile)
+        for probe in probes:
+            probe.send("stop")
+        idles = [probe.expect("result", 60) for probe in probes]
         log(f"fpm overload: {offered:.0f} samples/s offered ({OVERLOAD_FACTOR:g}x capacity {capacity:.0f})")
-        run = _fanin_once(eng, endpoint, offered, seconds, rpc_probe=probe)
+        run = _fanin_once(eng, endpoint, offered, seconds, rpc_probes=probes)
     finally:
-        probe.finish()
-    rpc = run.pop("rpc")
+        for probe in probes:
+            probe.finish()
+    rpcs = run.pop("rpc")
+    idle, rpc = idles[0], rpcs[0]
     p99_idle, p99_loaded = idle["latency"].get("p99_ms"), rpc["latency"].get("p99_ms")
     out = {
         "capacity": capacity,
@@ -230,6 +246,8 @@ def phase_overload(
         "rpc_errors": idle["errors"] + rpc["errors"],
         "rpc_p99_vs_idle": round(p99_loaded / p99_idle, 2) if p99_idle and p99_loaded else None,
     }
+    if bare is not None:
+        out["bare_rpc_idle"], out["bare_rpc_overload"] = idles[1]["latency"], rpcs[1]["latency"]
     log(f"fpm overload: {out}")
     return out
 
@@ -294,6 +312,14 @@ def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "ratio": over["rpc_p99_vs_idle"],
                 "target": "—",
                 "met": None,
+                **(
+                    {
+                        "floor": f"a bare grpc.aio server in its own process, probed at once: "
+                        f"{over['bare_rpc_overload'].get('p99_ms')} ms (idle {over['bare_rpc_idle'].get('p99_ms')} ms)"
+                    }
+                    if "bare_rpc_overload" in over
+                    else {}
+                ),
             }
         )
     return out
@@ -349,4 +375,13 @@ def markdown(results: dict[str, Any]) -> list[str]:
             f"{idle.get('p50_ms')} / {idle.get('p99_ms')} ms | {loaded.get('p50_ms')} / {loaded.get('p99_ms')} ms | "
             f"{over['rpc_p99_vs_idle']} |",
         ]
+        if "bare_rpc_overload" in over:
+            bare_idle, bare_loaded = over["bare_rpc_idle"], over["bare_rpc_overload"]
+            lines += [
+                "",
+                "A bare grpc.aio server in a process of its own (bench/servers.py), probed the same way at "
+                f"the same time: p50 / p99 {bare_idle.get('p50_ms')} / {bare_idle.get('p99_ms')} ms idle, "
+                f"{bare_loaded.get('p50_ms')} / {bare_loaded.get('p99_ms')} ms during the overload: what the "
+                "machine's load costs a server that does no FPM work.",
+            ]
     return lines

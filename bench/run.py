@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         if "fpm" in phases:
             results["fpm_latency"] = fpm.phase_latency(eng, args.quick)
-            results["fpm_fanin"] = fpm.phase_fanin(eng, args.quick)
+            results["fpm_fanin"] = fpm.phase_fanin(eng, args.quick, servers["bare"])
         if "fpm_publish" in phases:  # its own in-process engine, in a worker subprocess
             results["fpm_publish"] = fpm_publish.phase(args.quick)
         if "weights" in phases:  # its own server on a bigger synthetic model
