@@ -113,7 +113,7 @@ class Commands:
     def weights_commit(self) -> int:
         a = self.args
         with self._trainer() as t:
-            name = a.name or self._staged_name(t)
+            name = self._staged_name(t)
             if name is None:
                 return ExitCode.ERROR
             result = t.commit_staged_weights(name, a.version, **self._apply_options())
@@ -122,7 +122,7 @@ class Commands:
 
     def weights_discard(self) -> int:
         with self._trainer() as t:
-            name = self.args.name or self._staged_name(t)
+            name = self._staged_name(t)
             if name is None:
                 return ExitCode.ERROR
             freed = t.discard_staged_weights(name)
@@ -141,9 +141,11 @@ class Commands:
             "wait": not a.no_wait,
         }
 
-    @staticmethod
-    def _staged_name(t: TrainerClient) -> str | None:
-        """The staged set the server holds (at most one), or None after saying there is none."""
+    def _staged_name(self, t: TrainerClient) -> str | None:
+        """The staged set the command names, else the one the server holds (at most one); None
+        after saying there is none."""
+        if self.args.name:
+            return str(self.args.name)
         staged = t.generation_state().staged
         if staged is None:
             print("enginectl: the server holds no staged set (enginectl weights stage PATH makes one)", file=sys.stderr)

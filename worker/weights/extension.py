@@ -37,7 +37,7 @@ from enginectl.common.safetensors_header import parse_header
 from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, Source, TensorSpec, WorkerRpc, read, wire
 from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.fingerprints import FingerprintMixin, weight_access
-from enginectl.worker.weights.groups import GroupsMixin, typed_view
+from enginectl.worker.weights.groups import GroupsMixin, aligned, typed_view
 from enginectl.worker.weights.ipc import IpcTensors
 from enginectl.worker.weights.ranks import dp_rank, global_rank
 from enginectl.worker.weights.staging import StagingMixin
@@ -140,8 +140,7 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin):
         ends: list[int] = []
         start = 0
         for spec in specs:
-            aligned = start % getattr(torch, spec.dtype).itemsize == 0
-            views.append(typed_view(buffer, start, spec.dtype, spec.shape) if aligned else None)
+            views.append(typed_view(buffer, start, spec.dtype, spec.shape) if aligned(start, spec.dtype) else None)
             start += _nbytes(spec)
             ends.append(start)
         return _streamed(specs, buffer, views, ends, channel)

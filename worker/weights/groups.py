@@ -203,12 +203,15 @@ def typed_view(buffer: torch.Tensor, offset: int, dtype: str, shape: tuple[int, 
     """The tensor of `dtype` and `shape` whose bytes start at `offset` of the uint8 `buffer`:
     a view when the offset is aligned to the element size, else (a packed 1-byte tensor of odd
     size before it) a copy."""
-    torch_dtype = getattr(torch, dtype)
-    size = dtypes.nbytes(dtype, shape)
-    raw = buffer[offset : offset + size]
-    if offset % torch_dtype.itemsize:
+    raw = buffer[offset : offset + dtypes.nbytes(dtype, shape)]
+    if not aligned(offset, dtype):
         raw = raw.clone()
-    return raw.view(torch_dtype).reshape(shape)
+    return raw.view(getattr(torch, dtype)).reshape(shape)
+
+
+def aligned(offset: int, dtype: str) -> bool:
+    """Whether a tensor of `dtype` whose bytes start at `offset` can be a view (typed_view)."""
+    return offset % getattr(torch, dtype).itemsize == 0
 
 
 def _join(spec: GroupSpec, rank: int) -> Any:
