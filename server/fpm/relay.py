@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from operator import attrgetter
 
-from enginectl.contract.fpm import MalformedFrame, read_sample
+from enginectl.contract.fpm import FrameError, parse_frame
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1.forward_pass_metrics_pb2 import ForwardPassMetrics as Sample
 from enginectl.server.errors import ControlPlaneError, Reason, out_of_range
@@ -71,9 +71,15 @@ def varint(value: int) -> bytes:
 
 
 class Relayed:
-    """A relayed sample: the parsed message, what filters and coalescing read from it (its
-    (worker_id, dp_rank) `key`, whether it is a heartbeat, its `sequence`), and its wire form
-    as one `samples` entry of a ForwardPassMetricsBatch, shared by every stream.
+    """A relayed sample: what filters and coalescing read from it (its (worker_id, dp_rank)
+    `key`, whether it is a heartbeat, its `sequence`), the `revision` it was stamped with, the
+    publisher's `frame`, and its wire form as one `samples` entry of a ForwardPassMetricsBatch,
+    shared by every stream.
+
+    The parsed message is not kept: intake reads the three fields it needs and lets it go while
+    it is still in the cache. Freeing ten thousand parsed messages later, as the ring evicted
+    them, cost the intake as much as parsing them (profiled under overload, bench/fpm.py).
+    `sample` parses the frame again for the few readers that want the message.
 
     Protobuf lets a serialized message be extended by appending fields, so stamping the
     publisher's frame costs a few bytes, not a re-serialization; the publisher leaves
@@ -81,24 +87,31 @@ class Relayed:
     The wire form is built by the first stream that sends the sample (`wire or stamp()`): a
     sample that every queue coalesced away under overload never costs one."""
 
-    __slots__ = ("sample", "key", "heartbeat", "sequence", "wire", "_frame")
+    __slots__ = ("key", "heartbeat", "sequence", "revision", "frame", "wire")
 
-    def __init__(self, sample: Sample, frame: bytes, sequence: int) -> None:
-        self.sample = sample
-        self.key = (sample.worker_id, sample.dp_rank)
-        self.heartbeat = sample.kind == HEARTBEAT
+    def __init__(self, key: tuple[str, int], heartbeat: bool, sequence: int, revision: int, frame: bytes) -> None:
+        self.key = key
+        self.heartbeat = heartbeat
         self.sequence = sequence
+        self.revision = revision
+        self.frame = frame
         self.wire = b""  # until `stamp`
-        self._frame = frame
+
+    @property
+    def sample(self) -> Sample:
+        """The sample as streams send it (parsed again from the frame, stamped)."""
+        sample = Sample.FromString(self.frame)
+        sample.sequence = self.sequence
+        sample.weight_revision = self.revision
+        return sample
 
     def stamp(self) -> bytes:
         """The wire form (built once)."""
         if not self.wire:
-            stamped = self._frame + _SEQUENCE_TAG + varint(self.sequence)
-            if self.sample.weight_revision:
-                stamped += _REVISION_TAG + varint(self.sample.weight_revision)
+            stamped = self.frame + _SEQUENCE_TAG + varint(self.sequence)
+            if self.revision:
+                stamped += _REVISION_TAG + varint(self.revision)
             self.wire = _SAMPLES_TAG + varint(len(stamped)) + stamped
-            self._frame = b""
         return self.wire
 
 
@@ -169,7 +182,7 @@ class SampleRing:
         if size < 1:
             raise ValueError("ring size must be at least 1")
         self.size = size
-        self._slots: list[Relayed | None] = [None] * size
+        self.slots: list[Relayed | None] = [None] * size
         self.head = 0  # newest sequence assigned; 0 before the first
 
     @property
@@ -179,21 +192,21 @@ class SampleRing:
             return 0
         return max(1, self.head - self.size + 1)
 
-    def append(self, sample: Sample, frame: bytes) -> Relayed:
-        """Stamp `sample` (parsed from `frame`) with the next sequence and keep it."""
-        sequence = sample.sequence = self.head + 1
-        relayed = self._slots[sequence % self.size] = Relayed(sample, frame, sequence)
-        self.head = sequence  # after the slot: `newest` on another thread never sees it empty
-        return relayed
+    def append(self, relayed: Relayed) -> None:
+        """Keep `relayed`, which carries the next sequence (head + 1). FpmRelay._sequence does
+        the same inline, a batch at a time."""
+        assert relayed.sequence == self.head + 1
+        self.slots[relayed.sequence % self.size] = relayed
+        self.head = relayed.sequence  # after the slot: `newest` on another thread never sees it empty
 
     def newest(self) -> Relayed | None:
         """The newest sample kept, None while empty. Safe from another thread (a metrics
         scrape): it may miss a sample appended meanwhile, never return an older one."""
-        return self._slots[self.head % self.size] if self.head else None
+        return self.slots[self.head % self.size] if self.head else None
 
     def get(self, sequence: int) -> Relayed:
         """The sample with `sequence` (caller checks oldest <= sequence <= head)."""
-        relayed = self._slots[sequence % self.size]
+        relayed = self.slots[sequence % self.size]
         assert relayed is not None
         return relayed
 
@@ -378,24 +391,40 @@ class FpmRelay:
         return len(self._sequence(frames, coalesce))
 
     def _sequence(self, frames: Iterable[bytes], coalesce: bool = False) -> list[Relayed]:
-        """Parse, gate, stamp and keep `frames`, then offer them to every live subscription."""
+        """Parse, gate, stamp and keep `frames`, then offer them to every live subscription.
+
+        The intake's hot loop (a few hundred thousand frames a second under overload): the
+        frame rules (contract/fpm.py) and the ring's append are inline, a call per frame saved."""
         revision = self._revision()  # one loop turn: no declaration lands in between
         require_identity = self.require_identity
-        append = self.ring.append
-        stats = self.stats
+        ring = self.ring
+        slots, size, sequence = ring.slots, ring.size, ring.head
+        parse, heartbeat = parse_frame, HEARTBEAT
+        malformed = unattributed = 0
         batch: list[Relayed] = []
+        keep = batch.append
         for frame in frames:
             try:
-                sample = read_sample(frame)
-            except MalformedFrame:
-                stats.dropped_malformed += 1
+                sample = parse(frame)
+            except FrameError:
+                malformed += 1
                 continue
-            if require_identity and not sample.worker_id:
-                stats.dropped_unattributed += 1
+            if not sample.schema_version:
+                malformed += 1
                 continue
-            sample.weight_revision = revision
-            batch.append(append(sample, frame))
+            worker_id = sample.worker_id
+            if require_identity and not worker_id:
+                unattributed += 1
+                continue
+            sequence += 1
+            relayed = Relayed((worker_id, sample.dp_rank), sample.kind == heartbeat, sequence, revision, frame)
+            slots[sequence % size] = relayed
+            ring.head = sequence  # after the slot: `newest` on another thread never sees it empty
+            keep(relayed)
+        stats = self.stats
         stats.accepted += len(batch)
+        stats.dropped_malformed += malformed
+        stats.dropped_unattributed += unattributed
         if batch and self._live:
             if coalesce:
                 self._offer_coalesced(batch)
