@@ -135,6 +135,8 @@ class ControlPlaneServer:
             open_methods=rollouts.open(token_guards_rollouts) if rollouts else frozenset(),
             guarded_methods=rollouts.guarded(token_guards_rollouts) if rollouts else frozenset(),
         )
+        # The FPM relay's intake shares this loop: it takes smaller bites while a prompt call runs.
+        self.fpm_relay.defer_to = lambda: interceptor.prompt_calls > 0
         self._server = grpc.aio.server(
             interceptors=[interceptor],
             options=[

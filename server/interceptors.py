@@ -158,7 +158,11 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
       code and duration; successful reads (Get*, Watch*, health, reflection) only with
       `log_reads`, since pollers would flood the log and the line is most of a
       GetWeightVersion's cost (bench/);
-    - report (rpc, code) to `on_done` (the metrics counter).
+    - report (rpc, code) to `on_done` (the metrics counter);
+    - count the prompt calls in flight (`prompt_calls`): unary calls but long polls (Wait*),
+      from the moment gRPC hands the call to the server until its status is sent. Work that
+      shares the control loop and can wait (the FPM relay's intake, server/fpm/relay_zmq.py)
+      takes smaller bites while one runs.
     """
 
     def __init__(
@@ -178,7 +182,9 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         self._log_reads = log_reads
         self._on_done = on_done  # (rpc, code) of every finished call, e.g. a metrics counter
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+        self._prompt: dict[str, bool] = {}  # per method: whether its calls count in prompt_calls
         self._refusal: ControlPlaneError | None = None
+        self.prompt_calls = 0
 
     def refuse(self, error: ControlPlaneError) -> None:
         """From now on, answer every call except health and reflection with `error` (e.g.
@@ -205,7 +211,20 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             if handler is None:
                 return handler
             wrapped = self._wrapped[method] = self._wrap(method, handler)
+            self._prompt[method] = not (
+                handler.request_streaming or handler.response_streaming or method.rsplit("/", 1)[-1].startswith("Wait")
+            )
+        if self._prompt[method]:
+            # This runs in the task gRPC made for the call, which ends once the status is
+            # sent, whatever happens before (a cancelled call too).
+            call = asyncio.current_task()
+            if call is not None:
+                self.prompt_calls += 1
+                call.add_done_callback(self._prompt_call_done)
         return wrapped
+
+    def _prompt_call_done(self, _call: asyncio.Task[Any]) -> None:
+        self.prompt_calls -= 1
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner = _behavior(handler)

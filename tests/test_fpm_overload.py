@@ -25,7 +25,12 @@ from fpm_helpers import HEARTBEAT, STEP, read_until, request
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
 from enginectl.server.fpm.relay import FpmRelay, SampleFilter, Subscription
-from enginectl.server.fpm.relay_zmq import COALESCE_BUDGET, RELAY_BUDGET, FpmRelayHost
+from enginectl.server.fpm.relay_zmq import (
+    COALESCE_BUDGET,
+    DEFERRING_RELAY_BUDGET,
+    RELAY_BUDGET,
+    FpmRelayHost,
+)
 from enginectl.server.grpc_server import ControlPlaneServer
 from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
@@ -80,13 +85,42 @@ class Flood:
         self._context.term()
 
 
+class Hold:
+    """A test-only unary RPC, /test.Hold/Hold, registered on the real server beside its own
+    services: its handler answers once `release` is set, so a control call stays in flight
+    as long as the test needs."""
+
+    METHOD = "/test.Hold/Hold"
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def hold(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        self.entered.set()
+        await self.release.wait()
+        return b""
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            "test.Hold", {"Hold": grpc.unary_unary_rpc_method_handler(self.hold)}
+        )
+
+
 @pytest.fixture
-async def flooded() -> AsyncIterator[tuple[FpmRelay, Flood, str]]:
-    """A relay behind a real gRPC server on this loop, and a connected flood publisher."""
+async def hold() -> Hold:
+    return Hold()
+
+
+@pytest.fixture
+async def flooded(hold: Hold) -> AsyncIterator[tuple[FpmRelay, Flood, str]]:
+    """A relay behind a real gRPC server on this loop (with the Hold RPC), and a connected
+    flood publisher."""
     host = FpmRelayHost(ring_size=BURST + MORE_AT_MOST, intake_backlog=BACKLOG)
     ledger = WeightVersionLedger()
     relay = host.start(ledger, export_metrics=False)
     plane = ControlPlaneServer(ledger, fpm_relay=relay)
+    plane._server.add_generic_rpc_handlers((hold.handler(),))  # the test's RPC only
     port = await plane.start("127.0.0.1", 0)
     await plane.set_serving(True)
     flood = Flood(host.endpoint)
@@ -168,6 +202,59 @@ async def test_intake_works_through_a_backlog_in_bounded_wakeups(
     assert len(set(heads)) > BURST // per_wakeup  # the loop ran this task between wakeups
     assert missed > 0 and relay.stats.coalesced_at_intake > 0
     assert drain(relay.subscribe(flood_filter, resume_after=head)) == list(range(1, BURST + 1))
+
+
+async def heads_while(relay: FpmRelay, reader: Subscription, count: int) -> tuple[list[int], int]:
+    """The relay's head each time this task (sharing its loop) ran, until `reader` accounted
+    for `count` samples (received or missed); and how many it accounted for."""
+    heads, taken = [relay.head], 0
+    deadline = time.monotonic() + 60
+    while taken < count:
+        assert time.monotonic() < deadline, f"took {taken} ({relay.stats})"
+        await reader.wait(1.0)
+        batch, missed = reader.take(100_000)
+        taken += len(batch) + missed
+        heads.append(relay.head)
+    return heads, taken
+
+
+async def test_intake_takes_small_bites_while_a_control_call_runs(
+    flooded: tuple[FpmRelay, Flood, str], hold: Hold
+) -> None:
+    """While a unary call is in flight on the server, each intake wakeup sequences at most
+    the deferring budgets' worth of frames; once it is answered, the intake takes its full
+    bites again. A cancelled call and an open stream do not leave it deferring."""
+    relay, flood, target = flooded
+    flood_filter = SampleFilter(worker_ids=frozenset(WORKERS), include_heartbeats=True)
+    reader = relay.subscribe(flood_filter)
+    small = 2 * DEFERRING_RELAY_BUDGET  # relayed in full plus coalesced, per wakeup
+    async with grpc.aio.insecure_channel(target) as channel:
+        stream = svc_grpc.ForwardPassMetricsServiceStub(channel).StreamForwardPassMetrics(request(["x"]))
+        assert (await asyncio.wait_for(stream.read(), 30)).HasField("progress")
+        assert not relay.defer_to(), "an open stream made the intake defer"
+        call = channel.unary_unary(Hold.METHOD)(b"", timeout=60)
+        await asyncio.wait_for(hold.entered.wait(), 30)
+        assert relay.defer_to()
+        flood.send(BURST)  # blocks the loop: the burst waits in the relay's socket
+        deferring, taken = await heads_while(relay, reader, BURST // 4)
+        hold.release.set()
+        assert await call == b""
+        full, _ = await heads_while(relay, reader, BURST - taken)
+        assert not relay.defer_to()
+
+        hold.entered.clear()
+        hold.release.clear()
+        cancelled = channel.unary_unary(Hold.METHOD)(b"", timeout=60)
+        await asyncio.wait_for(hold.entered.wait(), 30)
+        cancelled.cancel()
+        deadline = time.monotonic() + 30
+        while relay.defer_to():  # the server learns of the cancellation asynchronously
+            assert time.monotonic() < deadline, "a cancelled call left the intake deferring"
+            await asyncio.sleep(0.01)
+        stream.cancel()
+    steps = [b - a for a, b in pairwise(deferring)]
+    assert max(steps) <= small, f"a wakeup took {max(steps)} frames while a call was in flight"
+    assert max(b - a for a, b in pairwise(full)) > small, "the intake stayed small after the call"
 
 
 async def test_a_flooded_relay_answers_control_rpcs_and_tells_every_stream_what_it_missed(

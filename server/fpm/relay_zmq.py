@@ -52,6 +52,11 @@ COALESCE_BUDGET = 1024
 INTAKE_BACKLOG = 4 * DEFAULT_QUEUE_LIMIT
 # Pause between wakeups while behind: the loop polls (and releases the GIL) meanwhile.
 YIELD_S = 0.001
+# The budgets while a prompt control call runs (FpmRelay.defer_to): a wakeup then holds the
+# loop for a fraction of a millisecond, and the frames it leaves wait in ZMQ for a few
+# milliseconds (RCV_HWM holds seconds of them).
+DEFERRING_READ_BUDGET = 128
+DEFERRING_RELAY_BUDGET = 64
 # Frames ZMQ may hold for us while the loop is busy; beyond that the PUB side drops (never blocks).
 RCV_HWM = 200_000
 
@@ -165,24 +170,29 @@ class FpmRelayHost:
 
     def _drain(self) -> None:
         """One wakeup: read what the socket holds (up to READ_BUDGET frames), coalesce the
-        backlog beyond `intake_backlog`, relay up to RELAY_BUDGET frames. ZMQ's fd is
-        edge-triggered: a wakeup that leaves frames behind schedules the next one itself."""
+        backlog beyond `intake_backlog`, relay up to RELAY_BUDGET frames; smaller bites while
+        the relay defers to a control call. ZMQ's fd is edge-triggered: a wakeup that leaves
+        frames behind schedules the next one itself."""
         relay, loop, backlog = self.relay, self._loop, self._backlog
         assert relay is not None and loop is not None
         self._resume = None
+        if relay.defer_to():
+            read, relayed, coalesced = DEFERRING_READ_BUDGET, DEFERRING_RELAY_BUDGET, DEFERRING_RELAY_BUDGET
+        else:
+            read, relayed, coalesced = READ_BUDGET, RELAY_BUDGET, COALESCE_BUDGET
         recv, noblock = self._socket.recv, zmq.NOBLOCK
         drained = False
         try:
-            for _ in range(READ_BUDGET):
+            for _ in range(read):
                 backlog.append(recv(noblock))
         except zmq.Again:
             drained = True
         except zmq.ZMQError:  # socket closed under us during shutdown
             return
-        stale = min(len(backlog) - self._intake_backlog, COALESCE_BUDGET)
+        stale = min(len(backlog) - self._intake_backlog, coalesced)
         if stale > 0:
             relay.accept_many([backlog.popleft() for _ in range(stale)], coalesce=True)
-        relay.accept_many([backlog.popleft() for _ in range(min(RELAY_BUDGET, len(backlog)))])
+        relay.accept_many([backlog.popleft() for _ in range(min(relayed, len(backlog)))])
         if backlog or not drained:
             self._resume = loop.call_later(YIELD_S, self._drain)
 
