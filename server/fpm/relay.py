@@ -56,12 +56,14 @@ _SEQUENCE_TAG, _REVISION_TAG, _SAMPLES_TAG = b"\x88\x01", b"\x90\x01", b"\x0a"
 
 def varint(value: int) -> bytes:
     """Protobuf base-128 varint encoding of a non-negative integer."""
-    if value < 0x80:  # the common sizes without a loop: lengths, and sequences below 2**21
+    if value < 0x80:  # the common sizes without a loop: lengths, and sequences below 2**28
         return bytes((value,))
     if value < 0x4000:
         return bytes((value & 0x7F | 0x80, value >> 7))
     if value < 0x200000:
         return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14))
+    if value < 0x10000000:
+        return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14 & 0x7F | 0x80, value >> 21))
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -108,10 +110,10 @@ class Relayed:
     def stamp(self) -> bytes:
         """The wire form (built once)."""
         if not self.wire:
-            stamped = self.frame + _SEQUENCE_TAG + varint(self.sequence)
+            frame, stamp = self.frame, _SEQUENCE_TAG + varint(self.sequence)
             if self.revision:
-                stamped += _REVISION_TAG + varint(self.revision)
-            self.wire = _SAMPLES_TAG + varint(len(stamped)) + stamped
+                stamp += _REVISION_TAG + varint(self.revision)
+            self.wire = b"".join((_SAMPLES_TAG, varint(len(frame) + len(stamp)), frame, stamp))
         return self.wire
 
 
