@@ -28,6 +28,7 @@ from enginectl.server.fpm.relay import FpmRelay, SampleFilter, Subscription
 from enginectl.server.fpm.relay_zmq import (
     COALESCE_BUDGET,
     DEFERRING_RELAY_BUDGET,
+    PREPARE_SLICE,
     RELAY_BUDGET,
     FpmRelayHost,
 )
@@ -202,6 +203,38 @@ async def test_intake_works_through_a_backlog_in_bounded_wakeups(
     assert len(set(heads)) > BURST // per_wakeup  # the loop ran this task between wakeups
     assert missed > 0 and relay.stats.coalesced_at_intake > 0
     assert drain(relay.subscribe(flood_filter, resume_after=head)) == list(range(1, BURST + 1))
+
+
+async def test_a_wakeup_lets_the_loop_run_between_its_slices(flooded: tuple[FpmRelay, Flood, str]) -> None:
+    """A wakeup parses its frames a slice per loop turn and commits them after: a task on the
+    same loop runs in between (so a control call's next step waits behind a slice, not a
+    whole wakeup). Seen from a task that counts its own turns: a wakeup begins (the relay
+    asks `defer_to`), the task runs several times, then the head moves."""
+    relay, flood, _ = flooded
+    turns = 0
+    began: list[int] = []  # the task's turn count when each wakeup began
+
+    def defer_to() -> bool:
+        began.append(turns)
+        return False
+
+    relay.defer_to = defer_to
+    head, target = relay.head, relay.head + BURST
+    moved: list[tuple[int, int]] = []  # (turn, frames committed since the last move)
+    flood.send(BURST)  # blocks the loop: the burst waits in the relay's socket
+    deadline = time.monotonic() + 60
+    while relay.head < target:
+        assert time.monotonic() < deadline, f"head {relay.head} of {target} ({relay.stats})"
+        await asyncio.sleep(0)  # one loop turn
+        turns += 1
+        if relay.head != head:
+            moved.append((turns, relay.head - head))
+            head = relay.head
+    # For each move, the turns since the wakeup that committed it began.
+    spreads = [(turn - max(b for b in began if b < turn), frames) for turn, frames in moved]
+    turns_taken, frames = max(spreads, key=lambda spread: spread[1])
+    assert frames > PREPARE_SLICE
+    assert turns_taken >= frames // PREPARE_SLICE, f"{frames} frames parsed and committed in {turns_taken} turns"
 
 
 async def heads_while(relay: FpmRelay, reader: Subscription, count: int) -> tuple[list[int], int]:

@@ -17,6 +17,9 @@ forward_pass_metrics_service.proto):
 - Work is per batch of frames, not per sample and subscriber: a batch is sequenced once,
   selected once per distinct filter, and appended to each queue in one step; a queue wakes
   its stream once per batch.
+- Taking frames is two steps, so the intake can spread a batch over several loop turns:
+  `prepare` parses and gates (most of the cost), `commit` sequences, keeps and offers in
+  one call (`accept_many` does both).
 - When the intake is behind (relay_zmq.py: a backlog beyond INTAKE_BACKLOG frames), the
   oldest are accepted with `coalesce=True`: sequenced and kept in the ring as always, but
   live subscriptions are offered only the latest sample per (worker_id, dp_rank) of the
@@ -91,11 +94,10 @@ class Relayed:
 
     __slots__ = ("key", "heartbeat", "sequence", "revision", "frame", "wire")
 
-    def __init__(self, key: tuple[str, int], heartbeat: bool, sequence: int, revision: int, frame: bytes) -> None:
+    def __init__(self, key: tuple[str, int], heartbeat: bool, frame: bytes) -> None:
         self.key = key
         self.heartbeat = heartbeat
-        self.sequence = sequence
-        self.revision = revision
+        self.sequence = self.revision = 0  # until FpmRelay.commit
         self.frame = frame
         self.wire = b""  # until `stamp`
 
@@ -182,7 +184,8 @@ class SampleFilter:
 
 
 class SampleRing:
-    """The newest `size` samples, addressed by sequence (contiguous from `oldest` to `head`)."""
+    """The newest `size` samples, addressed by sequence (contiguous from `oldest` to `head`).
+    FpmRelay.commit fills `slots` and advances `head`, a batch at a time."""
 
     def __init__(self, size: int) -> None:
         if size < 1:
@@ -197,13 +200,6 @@ class SampleRing:
         if self.head == 0:
             return 0
         return max(1, self.head - self.size + 1)
-
-    def append(self, relayed: Relayed) -> None:
-        """Keep `relayed`, which carries the next sequence (head + 1). FpmRelay._sequence does
-        the same inline, a batch at a time."""
-        assert relayed.sequence == self.head + 1
-        self.slots[relayed.sequence % self.size] = relayed
-        self.head = relayed.sequence  # after the slot: `newest` on another thread never sees it empty
 
     def newest(self) -> Relayed | None:
         """The newest sample kept, None while empty. Safe from another thread (a metrics
@@ -389,7 +385,8 @@ class FpmRelay:
         """Take one publisher frame (a serialized ForwardPassMetrics); returns the sample
         as relayed, or None if it was dropped (malformed, or unattributed while identity is
         required)."""
-        batch = self._sequence((frame,))
+        batch = self.prepare((frame,))
+        self.commit(batch)
         return batch[0] if batch else None
 
     def accept_many(self, frames: Iterable[bytes], *, coalesce: bool = False) -> int:
@@ -397,20 +394,22 @@ class FpmRelay:
         many were sequenced (the rest were dropped as in `accept`). With `coalesce` (the
         intake is behind) live subscriptions are offered only the latest sample per
         (worker_id, dp_rank) of the batch and told the rest as missed; all are kept."""
-        return len(self._sequence(frames, coalesce))
+        batch = self.prepare(frames)
+        self.commit(batch, coalesce=coalesce)
+        return len(batch)
 
-    def _sequence(self, frames: Iterable[bytes], coalesce: bool = False) -> list[Relayed]:
-        """Parse, gate, stamp and keep `frames`, then offer them to every live subscription.
+    def prepare(self, frames: Iterable[bytes], into: list[Relayed] | None = None) -> list[Relayed]:
+        """Parse and gate `frames` (dropping and counting the malformed and, with
+        `require_identity`, the unattributed), appending the rest to `into` (a new list by
+        default), not yet sequenced: `commit` them, in order, in as many slices as the caller
+        likes; nothing is kept or offered until then.
 
         The intake's hot loop (a few hundred thousand frames a second under overload): the
-        frame rules (contract/fpm.py) and the ring's append are inline, a call per frame saved."""
-        revision = self._revision()  # one loop turn: no declaration lands in between
+        frame rules (contract/fpm.py) are inline, a call per frame saved."""
         require_identity = self.require_identity
-        ring = self.ring
-        slots, size, sequence = ring.slots, ring.size, ring.head
         parse, heartbeat = parse_frame, HEARTBEAT
         malformed = unattributed = 0
-        batch: list[Relayed] = []
+        batch: list[Relayed] = [] if into is None else into
         keep = batch.append
         for frame in frames:
             try:
@@ -425,21 +424,33 @@ class FpmRelay:
             if require_identity and not worker_id:
                 unattributed += 1
                 continue
-            sequence += 1
-            relayed = Relayed((worker_id, sample.dp_rank), sample.kind == heartbeat, sequence, revision, frame)
-            slots[sequence % size] = relayed
-            ring.head = sequence  # after the slot: `newest` on another thread never sees it empty
-            keep(relayed)
+            keep(Relayed((worker_id, sample.dp_rank), sample.kind == heartbeat, frame))
         stats = self.stats
-        stats.accepted += len(batch)
         stats.dropped_malformed += malformed
         stats.dropped_unattributed += unattributed
-        if batch and self._live:
+        return batch
+
+    def commit(self, batch: list[Relayed], *, coalesce: bool = False) -> None:
+        """Sequence and stamp `batch` (from `prepare`), keep it in the ring, and offer it to
+        every live subscription (coalesced, see `accept_many`), all in this one call: a
+        subscription never sees a kept sample that was not offered yet."""
+        if not batch:
+            return
+        revision = self._revision()  # one call: no declaration lands in between
+        ring = self.ring
+        slots, size, sequence = ring.slots, ring.size, ring.head
+        for relayed in batch:  # the ring's append, inline
+            sequence += 1
+            relayed.sequence = sequence
+            relayed.revision = revision
+            slots[sequence % size] = relayed
+        ring.head = sequence  # after the slots: `newest` on another thread never sees one empty
+        self.stats.accepted += len(batch)
+        if self._live:
             if coalesce:
                 self._offer_coalesced(batch)
             else:
                 self._offer(batch)
-        return batch
 
     def _offer(self, batch: list[Relayed]) -> None:
         # One selection per distinct filter (streams of a fleet often share one).

@@ -7,15 +7,29 @@ EngineConfig (contract/engine.py), and each rank's publisher connects to it (the
 contract/fpm.py). `start` runs on the control loop: it builds the FpmRelay and drains the
 socket from that loop's reader callback, without a task or an await per frame.
 
-Intake shares the control loop with every RPC, so each wakeup does bounded work: read up to
-READ_BUDGET frames with NOBLOCK into a backlog, and relay up to RELAY_BUDGET of them as one
-batch (fan-out is per batch, relay.py). A wakeup that leaves frames behind comes back after
-YIELD_S rather than at once: with back-to-back wakeups the loop thread never paused, gRPC's
-own threads and the readers ran late on the shared cores, stream writes stalled for hundreds
-of milliseconds and delivery fell to a fifth of capacity (bench/fpm.py, overload row). When
-the backlog outgrows INTAKE_BACKLOG, its oldest frames are relayed with `coalesce=True`:
-sequenced and kept, offered as the latest per (worker_id, dp_rank), the rest counted in
-each subscriber's `missed` (relay.py): overload is shed, never queued without bound.
+Intake shares the control loop with every RPC, so it holds the loop for a fraction of a
+millisecond at a time:
+- a wakeup reads up to READ_BUDGET frames with NOBLOCK into a backlog and takes up to
+  RELAY_BUDGET of them to relay (and, when behind, up to COALESCE_BUDGET older ones to
+  coalesce, below);
+- it parses them PREPARE_SLICE at a time, one loop turn each (`FpmRelay.prepare`), and then
+  commits them (sequence, keep, fan out: `FpmRelay.commit`) in one turn per part; fan-out
+  stays per wakeup's batch (relay.py), so streams write as large messages as before;
+- while a prompt control call is in flight (FpmRelay.defer_to, counted by
+  server/interceptors.py) a wakeup takes DEFERRING_* frames only.
+A control call's every loop turn (gRPC's event, the call's task, the handler, the answer)
+thus waits behind a slice, not a whole wakeup: under twice the zero-loss rate offered,
+GetWeightVersion took 21 / 46 ms p50 / p99 with whole wakeups (2,048 frames) and 5.4 / 17 ms
+sliced, with the same delivery (bench/fpm.py, overload row).
+
+A wakeup that leaves frames behind comes back after YIELD_S rather than at once: with
+back-to-back wakeups the loop thread never paused, gRPC's own threads and the readers ran
+late on the shared cores, stream writes stalled for hundreds of milliseconds and delivery
+fell to a fifth of capacity (bench/fpm.py, overload row; shorter pauses still lost a third
+of it at 2x overload). When the backlog outgrows INTAKE_BACKLOG, its oldest frames are
+relayed with `coalesce=True`: sequenced and kept, offered as the latest per (worker_id,
+dp_rank), the rest counted in each subscriber's `missed` (relay.py): overload is shed, never
+queued without bound.
 """
 
 from __future__ import annotations
@@ -31,32 +45,34 @@ import structlog
 import zmq
 
 from enginectl.contract.fpm import SUBSCRIBE_ALL
-from enginectl.server.fpm.relay import DEFAULT_QUEUE_LIMIT, DEFAULT_RING_SIZE, FpmRelay
+from enginectl.server.fpm.relay import DEFAULT_QUEUE_LIMIT, DEFAULT_RING_SIZE, FpmRelay, Relayed
 
 if TYPE_CHECKING:
     from enginectl.server.weights.ledger import WeightVersionLedger
 
 log = structlog.get_logger("enginectl.fpm")
 
-# Per wakeup: frames read from the socket (a fraction of a microsecond each), relayed in
-# full (1-2 us each with the fan-out), and coalesced at most when behind (about 1 us each):
-# a few milliseconds of work at worst, so a control RPC never waits longer on intake. Once
-# the backlog is full, a wakeup reads up to twice what it relays in full and coalesces the
-# rest: under sustained overload half of what is read still reaches the streams in full.
-READ_BUDGET = 2048
-RELAY_BUDGET = 1024
-COALESCE_BUDGET = 1024
+# Per wakeup: frames read from the socket (a fifth of a microsecond each), relayed in full,
+# and coalesced at most when behind. Once the backlog is full, a wakeup reads up to twice
+# what it relays in full and coalesces the rest: under sustained overload half of what is
+# read still reaches the streams in full. The YIELD_S pause costs a quarter of a microsecond
+# per frame read at these sizes.
+READ_BUDGET = 4096
+RELAY_BUDGET = 2048
+COALESCE_BUDGET = 2048
 # Frames read but not relayed beyond which the oldest are coalesced at intake: four
 # subscriber queues' worth (a third of a second at 50,000 samples/s), so a stall of the
 # loop is caught up in full, and only sustained overload is shed.
 INTAKE_BACKLOG = 4 * DEFAULT_QUEUE_LIMIT
 # Pause between wakeups while behind: the loop polls (and releases the GIL) meanwhile.
 YIELD_S = 0.001
-# The budgets while a prompt control call runs (FpmRelay.defer_to): a wakeup then holds the
-# loop for a fraction of a millisecond, and the frames it leaves wait in ZMQ for a few
-# milliseconds (RCV_HWM holds seconds of them).
+# The budgets while a prompt control call runs (FpmRelay.defer_to): the frames a wakeup
+# leaves wait in ZMQ for a few milliseconds (RCV_HWM holds seconds of them).
 DEFERRING_READ_BUDGET = 128
 DEFERRING_RELAY_BUDGET = 64
+# Frames parsed per loop turn (a fifth of a millisecond); a commit part (sequence, keep, fan
+# out: a third of the cost per frame) takes a turn of its own.
+PREPARE_SLICE = 256
 # Frames ZMQ may hold for us while the loop is busy; beyond that the PUB side drops (never blocks).
 RCV_HWM = 200_000
 
@@ -118,7 +134,14 @@ class FpmRelayHost:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
         self._backlog: deque[bytes] = deque()  # read, not yet relayed, in arrival order
-        self._resume: asyncio.TimerHandle | None = None  # the next wakeup while behind
+        # One wakeup's frames, taken from the backlog: to coalesce (older) and to relay, then
+        # the same prepared (relay.prepare), until the wakeup commits them.
+        self._stale: list[bytes] = []
+        self._fresh: list[bytes] = []
+        self._prepared_stale: list[Relayed] = []
+        self._prepared_fresh: list[Relayed] = []
+        self._drained = True  # the last read emptied the socket
+        self._resume: asyncio.Handle | None = None  # the wakeup's next step, or the next wakeup
 
     @classmethod
     def bind(cls, args: argparse.Namespace) -> FpmRelayHost:
@@ -165,35 +188,73 @@ class FpmRelayHost:
     def _readable(self) -> None:
         if self._resume is None:
             self._drain()
-        else:  # behind: the scheduled wakeup reads; re-arm the fd (ZMQ_EVENTS) and wait
+        else:  # a wakeup is under way or scheduled: it reads next; re-arm the fd (ZMQ_EVENTS)
+            self._drained = False
             self._socket.getsockopt(zmq.EVENTS)
 
     def _drain(self) -> None:
-        """One wakeup: read what the socket holds (up to READ_BUDGET frames), coalesce the
-        backlog beyond `intake_backlog`, relay up to RELAY_BUDGET frames; smaller bites while
-        the relay defers to a control call. ZMQ's fd is edge-triggered: a wakeup that leaves
-        frames behind schedules the next one itself."""
-        relay, loop, backlog = self.relay, self._loop, self._backlog
-        assert relay is not None and loop is not None
+        """One wakeup: read what the socket holds (up to READ_BUDGET frames), take the
+        backlog beyond `intake_backlog` to coalesce and up to RELAY_BUDGET frames to relay,
+        and start preparing them (`_prepare`); smaller bites while the relay defers to a
+        control call. ZMQ's fd is edge-triggered: a wakeup that leaves frames behind
+        schedules the next one itself (from `_commit`)."""
+        relay, backlog = self.relay, self._backlog
+        assert relay is not None
         self._resume = None
         if relay.defer_to():
             read, relayed, coalesced = DEFERRING_READ_BUDGET, DEFERRING_RELAY_BUDGET, DEFERRING_RELAY_BUDGET
         else:
             read, relayed, coalesced = READ_BUDGET, RELAY_BUDGET, COALESCE_BUDGET
         recv, noblock = self._socket.recv, zmq.NOBLOCK
-        drained = False
+        self._drained = False
         try:
             for _ in range(read):
                 backlog.append(recv(noblock))
         except zmq.Again:
-            drained = True
+            self._drained = True
         except zmq.ZMQError:  # socket closed under us during shutdown
             return
-        stale = min(len(backlog) - self._intake_backlog, coalesced)
-        if stale > 0:
-            relay.accept_many([backlog.popleft() for _ in range(stale)], coalesce=True)
-        relay.accept_many([backlog.popleft() for _ in range(min(relayed, len(backlog)))])
-        if backlog or not drained:
+        stale = max(0, min(len(backlog) - self._intake_backlog, coalesced))
+        self._stale = [backlog.popleft() for _ in range(stale)]
+        self._fresh = [backlog.popleft() for _ in range(min(relayed, len(backlog)))]
+        self._prepared_stale, self._prepared_fresh = [], []
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Parse PREPARE_SLICE of this wakeup's frames, oldest first; come back in the next
+        loop turn for the rest, so whatever else is ready (a control call's next step) runs
+        in between; then commit."""
+        relay = self.relay
+        assert relay is not None and self._loop is not None
+        budget = PREPARE_SLICE
+        for frames, prepared in ((self._stale, self._prepared_stale), (self._fresh, self._prepared_fresh)):
+            if frames and budget:
+                part = frames[:budget]
+                del frames[:budget]
+                relay.prepare(part, prepared)
+                budget -= len(part)
+        if self._stale or self._fresh:
+            self._resume = self._loop.call_soon(self._prepare)
+        else:
+            self._resume = self._loop.call_soon(self._commit_stale)
+
+    def _commit_stale(self) -> None:
+        """Sequence, keep and offer (coalesced) the older part this wakeup prepared; the rest
+        in the next turn (nothing else sequences in between: the order holds)."""
+        assert self.relay is not None and self._loop is not None
+        self.relay.commit(self._prepared_stale, coalesce=True)
+        self._prepared_stale = []
+        self._resume = self._loop.call_soon(self._commit_fresh)
+
+    def _commit_fresh(self) -> None:
+        """Sequence, keep and offer the rest this wakeup prepared, then schedule the next
+        wakeup if frames are left."""
+        relay, loop = self.relay, self._loop
+        assert relay is not None and loop is not None
+        self._resume = None
+        relay.commit(self._prepared_fresh)
+        self._prepared_fresh = []
+        if self._backlog or not self._drained:
             self._resume = loop.call_later(YIELD_S, self._drain)
 
     async def stop(self) -> None:
