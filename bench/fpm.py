@@ -181,7 +181,9 @@ def _fanin_once(
 def phase_fanin(eng: ServeProcess, quick: bool, bare: ServeProcess | None = None) -> dict[str, Any]:
     endpoint = relay_endpoint(eng)
     seconds = 2.0 if quick else 5.0
-    rates = [50_000.0] if quick else [25_000.0, 50_000.0, 75_000.0, 100_000.0, 150_000.0, 200_000.0]
+    rates = (
+        [50_000.0] if quick else [25_000.0, 50_000.0, 75_000.0, 100_000.0, 150_000.0, 200_000.0, 250_000.0, 300_000.0]
+    )
     runs = []
     for rate in rates:
         log(f"fpm fan-in: {rate:.0f} samples/s offered for {seconds:.0f}s, {SUBSCRIBERS} subscribers")
