@@ -29,6 +29,8 @@ REQUEST_ID_HEADER = "x-request-id"
 # mutates and needs the token. Default-deny: a new RPC is guarded until listed here.
 READ_ONLY_PREFIXES = ("Get", "List", "Watch", "Stream", "Wait", "Verify", "Subscribe", "HealthCheck")
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# How long a unary call counts as prompt (RpcInterceptor.prompt_calls) at most.
+PROMPT_WINDOW_S = 0.1
 
 # While a read-only RPC of a server with a token runs: whether the call carried that token.
 # Reads stay open, but may show an authenticated caller more (GetServerInfo lists
@@ -160,9 +162,11 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
       GetWeightVersion's cost (bench/);
     - report (rpc, code) to `on_done` (the metrics counter);
     - count the prompt calls in flight (`prompt_calls`): unary calls but long polls (Wait*),
-      from the moment gRPC hands the call to the server until its status is sent. Work that
+      from the moment gRPC hands the call to the server until its status is sent or
+      PROMPT_WINDOW_S passed (a call that long, such as a pause waiting for requests or a
+      group waiting for its trainer, is not one a few milliseconds matter to). Work that
       shares the control loop and can wait (the FPM relay's intake, server/fpm/relay_zmq.py)
-      takes smaller bites while one runs.
+      takes smaller bites meanwhile.
     """
 
     def __init__(
@@ -219,12 +223,22 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             # sent, whatever happens before (a cancelled call too).
             call = asyncio.current_task()
             if call is not None:
-                self.prompt_calls += 1
-                call.add_done_callback(self._prompt_call_done)
+                self._count_prompt(call)
         return wrapped
 
-    def _prompt_call_done(self, _call: asyncio.Task[Any]) -> None:
-        self.prompt_calls -= 1
+    def _count_prompt(self, call: asyncio.Task[Any]) -> None:
+        """Count `call` in prompt_calls until it ends or PROMPT_WINDOW_S passed."""
+        counted = True
+
+        def end(*_: object) -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self.prompt_calls -= 1
+
+        self.prompt_calls += 1
+        call.add_done_callback(end)
+        asyncio.get_running_loop().call_later(PROMPT_WINDOW_S, end)
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner = _behavior(handler)

@@ -24,6 +24,7 @@ from fpm_helpers import HEARTBEAT, STEP, read_until, request
 
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
+from enginectl.server import interceptors
 from enginectl.server.fpm.relay import FpmRelay, SampleFilter, Subscription
 from enginectl.server.fpm.relay_zmq import (
     COALESCE_BUDGET,
@@ -251,22 +252,40 @@ async def heads_while(relay: FpmRelay, reader: Subscription, count: int) -> tupl
     return heads, taken
 
 
+async def no_longer(deferring: Callable[[], bool], why: str) -> None:
+    """Wait (polling the loop, 30 s at most) until `deferring()` is false."""
+    deadline = time.monotonic() + 30
+    while deferring():
+        assert time.monotonic() < deadline, why
+        await asyncio.sleep(0.01)
+
+
+async def held(channel: grpc.aio.Channel, hold: Hold) -> grpc.aio.UnaryUnaryCall:
+    """A Hold call, once its handler runs on the server."""
+    hold.entered.clear()
+    hold.release.clear()
+    call = channel.unary_unary(Hold.METHOD)(b"", timeout=60)
+    await asyncio.wait_for(hold.entered.wait(), 30)
+    return call
+
+
 async def test_intake_takes_small_bites_while_a_control_call_runs(
-    flooded: tuple[FpmRelay, Flood, str], hold: Hold
+    flooded: tuple[FpmRelay, Flood, str], hold: Hold, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While a unary call is in flight on the server, each intake wakeup sequences at most
     the deferring budgets' worth of frames; once it is answered, the intake takes its full
-    bites again. A cancelled call and an open stream do not leave it deferring."""
+    bites again. A cancelled call, a call past the prompt window and an open stream do not
+    leave it deferring."""
     relay, flood, target = flooded
     flood_filter = SampleFilter(worker_ids=frozenset(WORKERS), include_heartbeats=True)
     reader = relay.subscribe(flood_filter)
     small = 2 * DEFERRING_RELAY_BUDGET  # relayed in full plus coalesced, per wakeup
+    monkeypatch.setattr(interceptors, "PROMPT_WINDOW_S", 60.0)  # a call counts while held
     async with grpc.aio.insecure_channel(target) as channel:
         stream = svc_grpc.ForwardPassMetricsServiceStub(channel).StreamForwardPassMetrics(request(["x"]))
         assert (await asyncio.wait_for(stream.read(), 30)).HasField("progress")
         assert not relay.defer_to(), "an open stream made the intake defer"
-        call = channel.unary_unary(Hold.METHOD)(b"", timeout=60)
-        await asyncio.wait_for(hold.entered.wait(), 30)
+        call = await held(channel, hold)
         assert relay.defer_to()
         flood.send(BURST)  # blocks the loop: the burst waits in the relay's socket
         deferring, taken = await heads_while(relay, reader, BURST // 4)
@@ -275,15 +294,17 @@ async def test_intake_takes_small_bites_while_a_control_call_runs(
         full, _ = await heads_while(relay, reader, BURST - taken)
         assert not relay.defer_to()
 
-        hold.entered.clear()
-        hold.release.clear()
-        cancelled = channel.unary_unary(Hold.METHOD)(b"", timeout=60)
-        await asyncio.wait_for(hold.entered.wait(), 30)
-        cancelled.cancel()
-        deadline = time.monotonic() + 30
-        while relay.defer_to():  # the server learns of the cancellation asynchronously
-            assert time.monotonic() < deadline, "a cancelled call left the intake deferring"
-            await asyncio.sleep(0.01)
+        cancelled = await held(channel, hold)
+        assert relay.defer_to()
+        cancelled.cancel()  # the server learns of it asynchronously
+        await no_longer(relay.defer_to, "a cancelled call left the intake deferring")
+
+        monkeypatch.setattr(interceptors, "PROMPT_WINDOW_S", 0.05)
+        long = await held(channel, hold)
+        assert relay.defer_to()
+        await no_longer(relay.defer_to, "a call past the prompt window kept the intake deferring")
+        hold.release.set()
+        assert await long == b""
         stream.cancel()
     steps = [b - a for a, b in pairwise(deferring)]
     assert max(steps) <= small, f"a wakeup took {max(steps)} frames while a call was in flight"
