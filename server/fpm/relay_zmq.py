@@ -39,6 +39,7 @@ import asyncio
 import tempfile
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
@@ -75,6 +76,16 @@ DEFERRING_RELAY_BUDGET = 64
 PREPARE_SLICE = 256
 # Frames ZMQ may hold for us while the loop is busy; beyond that the PUB side drops (never blocks).
 RCV_HWM = 200_000
+
+
+@dataclass(slots=True)
+class _Part:
+    """Frames of one wakeup that are committed together: parsed a slice at a time into
+    `prepared`, then committed (coalesced, for the backlog's stale part)."""
+
+    frames: list[bytes]
+    coalesce: bool
+    prepared: list[Relayed] = field(default_factory=list)
 
 
 def _at_least(minimum: int) -> Callable[[str], int]:
@@ -134,12 +145,8 @@ class FpmRelayHost:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
         self._backlog: deque[bytes] = deque()  # read, not yet relayed, in arrival order
-        # One wakeup's frames, taken from the backlog: to coalesce (older) and to relay, then
-        # the same prepared (relay.prepare), until the wakeup commits them.
-        self._stale: list[bytes] = []
-        self._fresh: list[bytes] = []
-        self._prepared_stale: list[Relayed] = []
-        self._prepared_fresh: list[Relayed] = []
+        # One wakeup's frames, oldest part first, from the read until their commit.
+        self._parts: list[_Part] = []
         self._drained = True  # the last read emptied the socket
         self._resume: asyncio.Handle | None = None  # the wakeup's next step, or the next wakeup
 
@@ -197,7 +204,7 @@ class FpmRelayHost:
         backlog beyond `intake_backlog` to coalesce and up to RELAY_BUDGET frames to relay,
         and start preparing them (`_prepare`); smaller bites while the relay defers to a
         control call. ZMQ's fd is edge-triggered: a wakeup that leaves frames behind
-        schedules the next one itself (from `_commit`)."""
+        schedules the next one itself (`_commit`)."""
         relay, backlog = self.relay, self._backlog
         assert relay is not None
         self._resume = None
@@ -215,47 +222,42 @@ class FpmRelayHost:
         except zmq.ZMQError:  # socket closed under us during shutdown
             return
         stale = max(0, min(len(backlog) - self._intake_backlog, coalesced))
-        self._stale = [backlog.popleft() for _ in range(stale)]
-        self._fresh = [backlog.popleft() for _ in range(min(relayed, len(backlog)))]
-        self._prepared_stale, self._prepared_fresh = [], []
+        self._parts = [
+            _Part([backlog.popleft() for _ in range(stale)], coalesce=True),
+            _Part([backlog.popleft() for _ in range(min(relayed, len(backlog)))], coalesce=False),
+        ]
         self._prepare()
 
     def _prepare(self) -> None:
         """Parse PREPARE_SLICE of this wakeup's frames, oldest first; come back in the next
         loop turn for the rest, so whatever else is ready (a control call's next step) runs
         in between; then commit."""
-        relay = self.relay
-        assert relay is not None and self._loop is not None
-        budget = PREPARE_SLICE
-        for frames, prepared in ((self._stale, self._prepared_stale), (self._fresh, self._prepared_fresh)):
-            if frames and budget:
-                part = frames[:budget]
-                del frames[:budget]
-                relay.prepare(part, prepared)
-                budget -= len(part)
-        if self._stale or self._fresh:
-            self._resume = self._loop.call_soon(self._prepare)
-        else:
-            self._resume = self._loop.call_soon(self._commit_stale)
-
-    def _commit_stale(self) -> None:
-        """Sequence, keep and offer (coalesced) the older part this wakeup prepared; the rest
-        in the next turn (nothing else sequences in between: the order holds)."""
-        assert self.relay is not None and self._loop is not None
-        self.relay.commit(self._prepared_stale, coalesce=True)
-        self._prepared_stale = []
-        self._resume = self._loop.call_soon(self._commit_fresh)
-
-    def _commit_fresh(self) -> None:
-        """Sequence, keep and offer the rest this wakeup prepared, then schedule the next
-        wakeup if frames are left."""
         relay, loop = self.relay, self._loop
         assert relay is not None and loop is not None
-        self._resume = None
-        relay.commit(self._prepared_fresh)
-        self._prepared_fresh = []
-        if self._backlog or not self._drained:
+        budget = PREPARE_SLICE
+        for part in self._parts:
+            if part.frames and budget:
+                frames, part.frames = part.frames[:budget], part.frames[budget:]
+                relay.prepare(frames, part.prepared)
+                budget -= len(frames)
+        more = any(part.frames for part in self._parts)
+        self._resume = loop.call_soon(self._prepare if more else self._commit)
+
+    def _commit(self) -> None:
+        """Sequence, keep and offer the oldest part this wakeup prepared (coalesced if it is
+        the backlog's stale part); the next part in the next turn (nothing else sequences in
+        between: the order holds); after the last, schedule the next wakeup if frames are
+        left."""
+        relay, loop = self.relay, self._loop
+        assert relay is not None and loop is not None
+        part = self._parts.pop(0)
+        relay.commit(part.prepared, coalesce=part.coalesce)
+        if self._parts:
+            self._resume = loop.call_soon(self._commit)
+        elif self._backlog or not self._drained:
             self._resume = loop.call_later(YIELD_S, self._drain)
+        else:
+            self._resume = None
 
     async def stop(self) -> None:
         """Stop reading, close the socket and remove the temp dir; call on the relay's loop."""
