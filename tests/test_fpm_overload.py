@@ -25,7 +25,7 @@ from fpm_helpers import HEARTBEAT, STEP, read_until, request
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
 from enginectl.server import interceptors
-from enginectl.server.fpm.relay import FpmRelay, SampleFilter, Subscription
+from enginectl.server.fpm.relay import FpmRelay, Subscription
 from enginectl.server.fpm.relay_zmq import (
     COALESCE_BUDGET,
     DEFERRING_RELAY_BUDGET,
@@ -33,6 +33,7 @@ from enginectl.server.fpm.relay_zmq import (
     RELAY_BUDGET,
     FpmRelayHost,
 )
+from enginectl.server.fpm.samples import SampleFilter
 from enginectl.server.grpc_server import ControlPlaneServer
 from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2

@@ -24,8 +24,9 @@ from enginectl.client import Reason
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
 from enginectl.server.errors import ControlPlaneError
-from enginectl.server.fpm.relay import FpmRelay, RelayClosed, SampleFilter, Subscription
+from enginectl.server.fpm.relay import FpmRelay, RelayClosed, Subscription
 from enginectl.server.fpm.relay_zmq import FpmRelayHost
+from enginectl.server.fpm.samples import SampleFilter
 from enginectl.server.fpm.stream import encode_batch
 from enginectl.server.weights.ledger import WeightVersionLedger
 

@@ -46,7 +46,8 @@ import structlog
 import zmq
 
 from enginectl.contract.fpm import SUBSCRIBE_ALL
-from enginectl.server.fpm.relay import DEFAULT_QUEUE_LIMIT, DEFAULT_RING_SIZE, FpmRelay, Relayed
+from enginectl.server.fpm.relay import DEFAULT_QUEUE_LIMIT, DEFAULT_RING_SIZE, FpmRelay
+from enginectl.server.fpm.samples import Relayed
 
 if TYPE_CHECKING:
     from enginectl.server.weights.ledger import WeightVersionLedger

@@ -5,7 +5,7 @@ the request, translates it into a relay subscription, and turns what the subscri
 hands out into batch and progress messages; the rules live in relay.py.
 
 Batches go out pre-encoded: each sample's wire form is built once, by the first stream that
-sends it (relay.py `Relayed.stamp`), and shared by every stream, and a batch message is
+sends it (samples.py `Relayed.stamp`), and shared by every stream, and a batch message is
 their concatenation (the same bytes protobuf would produce). With 8 subscribers at 50,000 samples/s, copying each sample into a message per
 stream and serializing it again was most of the relay's CPU (bench/fpm.py).
 """
@@ -20,7 +20,8 @@ import grpc
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as pb2_grpc
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, out_of_range
-from enginectl.server.fpm.relay import FpmRelay, RelayClosed, Relayed, SampleFilter, varint
+from enginectl.server.fpm.relay import FpmRelay, RelayClosed
+from enginectl.server.fpm.samples import Relayed, SampleFilter, varint
 from enginectl.server.limits import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, MAX_FILTER_ENTRIES, MAX_WORKER_ID_BYTES
 
 # A stream that sent nothing for this long sends a progress message.
