@@ -1,9 +1,10 @@
 """The `enginectl` command: `enginectl serve ...` runs a server; every other command talks to one.
 
 `serve` needs the server extra (`pip install 'enginectl[server-cpu]'`) and is
-`enginectl.server.serve`; the client commands are `enginectl.client.cli` and need only
-`pip install enginectl` (docs/cli.md is their manual). Each side is imported only when its
-command runs, so the client never imports the server.
+`enginectl.server.serve`; the client commands are `enginectl.cli.commands`, built on the
+library `enginectl.client`, and need only `pip install enginectl` (docs/cli.md is their
+manual). Each side is imported only when its command runs, so the client commands never
+import the server.
 """
 
 from __future__ import annotations
@@ -23,6 +24,6 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         return serve_main(argv[1:])
-    from enginectl.client.cli import main as client_main
+    from enginectl.cli.commands import main as commands_main
 
-    return client_main(argv)
+    return commands_main(argv)

@@ -2,8 +2,9 @@
 
 The `enginectl` command itself is `enginectl.cli.main`: it runs `serve` (the server extra) and
 hands every other command to `main` here, which never imports the server. The command line
-is cli_args.py, what is printed cli_output.py and cli_views.py, exit codes and error reports
-cli_errors.py, the metrics commands cli_fpm.py and cli_top.py; docs/cli.md is the manual.
+is args.py, what is printed output.py and views.py, exit codes and error reports
+exit_codes.py, the fleet commands fleet.py, the metrics commands watch.py and top.py;
+docs/cli.md is the manual.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from enginectl.client import cli_fleet
-from enginectl.client.cli_args import parser
-from enginectl.client.cli_errors import ExitCode, exit_code, report
-from enginectl.client.cli_fpm import watch
-from enginectl.client.cli_output import Output, human_bytes
-from enginectl.client.cli_top import run_top
-from enginectl.client.cli_views import VERSION_COLUMNS, operations_table, render, version_row
+from enginectl.cli import fleet
+from enginectl.cli.args import parser
+from enginectl.cli.exit_codes import ExitCode, exit_code, report
+from enginectl.cli.output import Output, human_bytes
+from enginectl.cli.top import run_top
+from enginectl.cli.views import VERSION_COLUMNS, operations_table, render, version_row
+from enginectl.cli.watch import watch
 from enginectl.client.client import ChannelConfig, ChannelOptions, Client
 from enginectl.client.errors import EnginectlError
 from enginectl.client.trainer import TrainerClient
@@ -130,7 +131,7 @@ class Commands:
         return ExitCode.OK
 
     def _apply_options(self) -> dict[str, Any]:
-        """The keyword arguments of `weights load` and `weights commit` (cli_args.py `_apply_flags`)."""
+        """The keyword arguments of `weights load` and `weights commit` (args.py `_apply_flags`)."""
         a = self.args
         return {
             "etag": a.etag,
@@ -217,13 +218,13 @@ class Commands:
 
     # --- fleet ------------------------------------------------------------------------
     def fleet_status(self) -> int:
-        return cli_fleet.status(self.args, self.options, self.out)
+        return fleet.status(self.args, self.options, self.out)
 
     def fleet_update(self) -> int:
-        return cli_fleet.update(self.args, self.options, self.out)
+        return fleet.update(self.args, self.options, self.out)
 
     def fleet_verify(self) -> int:
-        return cli_fleet.verify(self.args, self.options, self.out)
+        return fleet.verify(self.args, self.options, self.out)
 
     # --- fpm --------------------------------------------------------------------------
     def fpm_watch(self) -> None:

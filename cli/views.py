@@ -1,7 +1,7 @@
 """What the client commands show on a terminal: one text view per result type.
 
 Runs in the `enginectl` process; pure functions from the client's dataclasses to text (the
-JSON output is those dataclasses themselves, see cli_output.py). `render` picks the view by
+JSON output is those dataclasses themselves, see output.py). `render` picks the view by
 the value's type.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import singledispatch
 
-from enginectl.client.cli_output import Columns, cell, fields, human_bytes, human_seconds, table, when
+from enginectl.cli.output import Columns, cell, fields, human_bytes, human_seconds, table, when
 from enginectl.client.fpm import FpmSample
 from enginectl.client.trainer_types import (
     GenerationState,

@@ -1,9 +1,10 @@
 """`enginectl fpm watch`: forward-pass metrics samples as they are relayed, resumable.
 
-Runs in the `enginectl` process: one StreamForwardPassMetrics call (fpm.py) on a private
-event-loop thread (_sync.py), read one message at a time. Samples go to stdout (JSON lines,
-or a row each on a terminal); what a resume needs goes to stderr: the incarnation, and how
-many samples a slow reader missed with the sequence to resume after to fetch them.
+Runs in the `enginectl` process: one StreamForwardPassMetrics call (client/fpm.py) on a
+private event-loop thread (client/_sync.py), read one message at a time. Samples go to stdout
+(JSON lines, or a row each on a terminal); what a resume needs goes to stderr: the
+incarnation, and how many samples a slow reader missed with the sequence to resume after to
+fetch them.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncIterator, Sequence
 
+from enginectl.cli.output import Output
+from enginectl.cli.views import SAMPLE_COLUMNS, sample_row
 from enginectl.client._sync import LoopThread
-from enginectl.client.cli_output import Output
-from enginectl.client.cli_views import SAMPLE_COLUMNS, sample_row
 from enginectl.client.client import ChannelConfig
 from enginectl.client.fpm import FpmBatch, FpmProgress, stream_forward_pass_metrics, stream_request
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2

@@ -12,8 +12,8 @@ import argparse
 import os
 
 import enginectl
-from enginectl.client.cli_errors import EPILOG
-from enginectl.client.cli_fleet import add_commands as add_fleet_commands
+from enginectl.cli.exit_codes import EPILOG
+from enginectl.cli.fleet import add_commands as add_fleet_commands
 from enginectl.client.client import DEFAULT_TARGET, DEFAULT_TIMEOUT_S
 
 DESCRIPTION = """Talk to a running `enginectl serve` (a vLLM engine's gRPC control plane).

@@ -1,6 +1,6 @@
 """`enginectl fpm top`: a live table of every rank's latest forward-pass metrics sample, like `top`.
 
-Runs in the `enginectl` process, on one asyncio loop: a `Planner` (planner.py) follows every
+Runs in the `enginectl` process, on one asyncio loop: a `Planner` (client/planner.py) follows every
 target's FPM stream (heartbeats included; a broken stream reconnects and resumes), and a
 trainer client per target reads its data-parallel size once and its weight version at each
 refresh, so every rank the server has gets a row, also before its first sample; a row's STATE
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from enginectl.client.cli_output import Output, cell, human_seconds, table
+from enginectl.cli.output import Output, cell, human_seconds, table
 from enginectl.client.client import ChannelConfig
 from enginectl.client.errors import EnginectlError
 from enginectl.client.planner import Planner

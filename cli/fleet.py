@@ -13,8 +13,8 @@ import dataclasses
 import sys
 from typing import Any
 
-from enginectl.client.cli_errors import ExitCode
-from enginectl.client.cli_output import Output, human_seconds, table
+from enginectl.cli.exit_codes import ExitCode
+from enginectl.cli.output import Output, human_seconds, table
 from enginectl.client.client import ChannelOptions
 from enginectl.client.errors import EnginectlError
 from enginectl.client.fleet import MODES, Fleet
@@ -23,7 +23,7 @@ from enginectl.client.trainer_types import Verification
 
 
 def add_commands(sub: Any, group: Any, leaf: Any) -> None:
-    """The `fleet` command and its verbs (cli_args.py passes its own helpers)."""
+    """The `fleet` command and its verbs (args.py passes its own helpers)."""
     verbs = group(sub, "fleet", "many servers, one version: status, two-phase update, verify")
     status = leaf(verbs, "status", "every server's version, health, generation state and staged set", "--targets A,B")
     update = leaf(
