@@ -1,7 +1,7 @@
 """A server as a subprocess, for the tests and the benchmark: start, wait for its JSON `serving`
 line, drain its output, stop, reap, and check that no descendant survived.
 
-`enginectl serve --log-json` (or a bench.servers baseline) is ready once it prints a JSON line
+`enginectl serve --log-json` (or a bench.lib.servers baseline) is ready once it prints a JSON line
 whose `event` is `serving`; nobody sleeps. Its output is drained by a thread: until ready line
 by line, then in large chunks (enginectl logs one line per RPC, and a slow reader would stall the
 server on a full pipe), counting lines and keeping a tail for error reports. With `keep_lines`

@@ -3,7 +3,7 @@
 bench/results/.
 
 Runs in its own process, which only orchestrates: servers and load generators are separate
-subprocesses (see harness.py, procs.py, servers.py, clients.py).
+subprocesses (see bench/harness.py, and bench/lib/procs.py, servers.py, clients.py).
 """
 
 from __future__ import annotations
@@ -24,10 +24,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import fleet, fpm, fpm_publish, rollouts_grpc, weights
+from bench.fleet import phase as fleet
+from bench.fpm import phase as fpm
+from bench.fpm import publish as fpm_publish
 from bench.harness import ServeProcess
-from bench.procs import Worker, baseline_server, enginectl_server, rollout_driver
+from bench.lib.procs import Worker, baseline_server, enginectl_server, rollout_driver
+from bench.rollouts import phase as rollouts_grpc
 from bench.run_report import TARGETS, figures, markdown
+from bench.weights import phase as weights
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PHASES = ("latency", "rollouts", "throughput", "grpc_rollouts", "fpm", "fpm_publish", "weights", "fleet")

@@ -4,8 +4,12 @@
 
 from __future__ import annotations
 
-from bench import fleet, fpm, fpm_publish, rollouts_grpc, weights
-from bench.stats import ratio
+from bench.fleet import phase as fleet
+from bench.fpm import phase as fpm
+from bench.fpm import publish as fpm_publish
+from bench.lib.stats import ratio
+from bench.rollouts import phase as rollouts_grpc
+from bench.weights import phase as weights
 
 TARGETS = {  # bench/README.md, figures 1-3 and 7
     "latency_vs_bare": 1.15,  # enginectl p50 / bare grpc.aio p50 <=

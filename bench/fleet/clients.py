@@ -1,9 +1,9 @@
-"""Trainer side of the fleet bench (bench/fleet.py): `python -m bench.fleet_clients MODE`.
+"""Trainer side of the fleet bench (bench/fleet/phase.py): `python -m bench.fleet.clients MODE`.
 
 Runs in subprocesses of `python -m bench` (torch is imported here only), speaking JSON lines
-on stdout (bench/lines.py):
+on stdout (bench/lib/lines.py):
 
-- `build [--quick]`: build (once) the "few large" checkpoint (bench/checkpoints.py); a
+- `build [--quick]`: build (once) the "few large" checkpoint (bench/lib/checkpoints.py); a
   `result` with its directory.
 - `run --target A --target B --model DIR --reps N`: this process is the trainer. It joins
   one gloo group spanning both servers (`Fleet([A, B])`) and one with A alone
@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import checkpoints
-from bench.lines import emit, report_errors
+from bench.lib import checkpoints
+from bench.lib.lines import emit, report_errors
 
 WARMUP_REPS = 1
 TIMEOUT_S = 600.0
@@ -90,7 +90,7 @@ class RawGloo:
         ]
         self.children = [
             subprocess.Popen(
-                [sys.executable, "-m", "bench.fleet_clients", "gloo-recv", *j, "--file", file, "--reps", str(reps)]
+                [sys.executable, "-m", "bench.fleet.clients", "gloo-recv", *j, "--file", file, "--reps", str(reps)]
             )
             for j in joins
         ]
@@ -199,7 +199,7 @@ def close_fleet(fleet: Any, group: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.fleet_clients")
+    parser = argparse.ArgumentParser(prog="python -m bench.fleet.clients")
     parser.add_argument("mode", choices=("build", "run", "gloo-recv"))
     parser.add_argument("--quick", action="store_true", help="build: the smoke-run checkpoint")
     parser.add_argument("--target", action="append", default=[])

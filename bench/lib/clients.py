@@ -1,4 +1,4 @@
-"""Load generators of the benchmark: `python -m bench.clients latency|throughput|rollouts`.
+"""Load generators of the benchmark: `python -m bench.lib.clients latency|throughput|rollouts`.
 
 Each runs in its own subprocess (never in a server's process), started by `python -m bench`,
 and reports JSON lines on stdout (`ready`, `started`, `result`, or `error`). Every loop is
@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
-from bench.lines import emit, report_errors
-from bench.stats import summarize_ms
+from bench.lib.lines import emit, report_errors
+from bench.lib.stats import summarize_ms
 
 
 def _parse_target(spec: str) -> tuple[str, str, str, str]:
@@ -434,7 +434,7 @@ def cmd_rollouts(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.clients")
+    parser = argparse.ArgumentParser(prog="python -m bench.lib.clients")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("latency")
     p.add_argument("--target", action="append", required=True)

@@ -1,4 +1,4 @@
-"""The soak's checks (bench/soak.py): lost writes, resource growth after warm-up within the bounds
+"""The soak's checks (bench/soak/run.py): lost writes, resource growth after warm-up within the bounds
 below, and the pass/fail list a run ends with.
 """
 
@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
-from bench.soak_records import MIB, Errors, Snapshot, Write
+from bench.soak.records import MIB, Errors, Snapshot, Write
 from enginectl.client import Reason, WeightVersion
 
 # Growth bounds, per process, from the sample after warm-up to the one at the end (both under
@@ -121,7 +121,7 @@ def checks(
     series: list[dict[str, Any]],
     sources: tuple[str, ...],
 ) -> list[dict[str, Any]]:
-    """Every check of a run, given its results `r` and what the run recorded (bench/soak.py)."""
+    """Every check of a run, given its results `r` and what the run recorded (bench/soak/run.py)."""
     dead = sum(n for k, n in errors.counts.items() if Reason.ENGINE_DEAD in k)
     out: list[dict[str, Any]] = [
         check("soak ran to its end", r.get("crash", "yes"), "no exception", "crash" not in r),

@@ -3,7 +3,7 @@ gRPC engine service (`vllm.grpc.engine.VllmEngine`, which enginectl serves on it
 docs/rollouts.md) against vLLM's own HTTP `/v1/completions`, on one enginectl server.
 
 Runs in the `python -m bench` process, which only orchestrates: the streams run in
-`python -m bench.clients rollouts --via http|grpc` subprocesses (bench/clients.py).
+`python -m bench.lib.clients rollouts --via http|grpc` subprocesses (bench/lib/clients.py).
 
 Each round starts one driver: S concurrent streaming requests of N tokens (same prompt as
 text, `ignore_eos`, greedy), looping; once every stream has its first token, a fixed window
@@ -24,8 +24,8 @@ import time
 from typing import Any
 
 from bench.harness import ServeProcess
-from bench.procs import rollout_driver
-from bench.stats import ratio, summarize_ms
+from bench.lib.procs import rollout_driver
+from bench.lib.stats import ratio, summarize_ms
 
 TOKENS_PER_S_TARGET = 0.9  # grpc tokens/s / http tokens/s >=
 TTFT_P50_TARGET = 1.1  # grpc TTFT p50 / http TTFT p50 <=
@@ -110,7 +110,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
     lines.append(
         f"grpc/http: tokens/s {ratio(gen['grpc']['tokens_per_s'], gen['http']['tokens_per_s'])}, "
         f"TTFT p50 {ratio(gen['grpc']['ttft'].get('p50_ms'), gen['http']['ttft'].get('p50_ms'))}. "
-        "HTTP opens a connection per request (as bench/clients.py always has); gRPC keeps one "
+        "HTTP opens a connection per request (as bench/lib/clients.py always has); gRPC keeps one "
         "channel per stream. Server CPU: the enginectl main process (HTTP API, control plane, vLLM's "
         "output processing; not the EngineCore); client CPU: the driver process. Both share the 2 cores."
     )

@@ -3,7 +3,7 @@
 Two halves, one file:
 - `phase(quick)` runs in the `python -m bench` process: it starts the worker below as a
   subprocess and turns its JSON result into a figure and a table.
-- `python -m bench.fpm_publish` (the worker) runs a real vLLM engine on the embedded tiny
+- `python -m bench.fpm.publish` (the worker) runs a real vLLM engine on the embedded tiny
   model IN its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with enginectl's scheduler
   between timing layers (see `_timed_scheduler_class`), publishing to a real ZMQ SUB (the
   relay stand-in, counting what arrives). It drives rounds of batched generations and
@@ -34,9 +34,9 @@ TARGET_RATIO = 0.01  # publish cost / step time <
 
 # -- orchestrator side (python -m bench) -----------------------------------------------------
 def phase(quick: bool) -> dict[str, Any]:
-    from bench.procs import Worker
+    from bench.lib.procs import Worker
 
-    worker = Worker(["--rounds", "3" if quick else "10"], module="bench.fpm_publish")
+    worker = Worker(["--rounds", "3" if quick else "10"], module="bench.fpm.publish")
     try:
         return worker.expect("result", 600)
     finally:
@@ -84,7 +84,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
     ]
 
 
-# -- worker side (python -m bench.fpm_publish) -------------------------------------------------
+# -- worker side (python -m bench.fpm.publish) -------------------------------------------------
 def _timing_layer(name: str, base: type, totals: dict[str, float]) -> type:
     """A subclass of `base` adding the engine thread's CPU time inside its `schedule` and
     `update_from_output` (super() included) to `totals[name]`. CPU time, not wall time: on a
@@ -207,7 +207,7 @@ def _publisher_cost(frames: list[bytes]) -> float:
 
 
 def worker_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.fpm_publish")
+    parser = argparse.ArgumentParser(prog="python -m bench.fpm.publish")
     parser.add_argument("--rounds", type=int, default=10, help="batches of generations (the median round is reported)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -3,12 +3,12 @@ its physical floor in one run, on two checkpoints.
 
 Runs in the `python -m bench` process, which only orchestrates: a worker subprocess builds
 (once, under bench/.cache, never committed) two synthetic float32 Llamas of about 200 MB
-(bench/checkpoints.py: "few large", 39 tensors; "many small", 489 tensors shaped like a real
+(bench/lib/checkpoints.py: "few large", 39 tensors; "many small", 489 tensors shaped like a real
 Llama's); then, per checkpoint, an `enginectl serve` subprocess serves it
 (VLLM_SERVER_DEV_MODE=1 for vLLM's /pause, /resume and /collective_rpc routes) and
-`python -m bench.weights_clients run` measures every figure, its baseline and the floors
-(bench/floors.py) interleaved, rep by rep, on that server and the same bytes; then
-bench/staging.py measures two-phase updates (stage, commit, discard) on the same server.
+`python -m bench.weights.clients run` measures every figure, its baseline and the floors
+(bench/weights/floors.py) interleaved, rep by rep, on that server and the same bytes; then
+bench/staging/phase.py measures two-phase updates (stage, commit, discard) on the same server.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import staging
-from bench.checkpoints import Checkpoint, checkpoints
+from bench.lib.checkpoints import Checkpoint, checkpoints
+from bench.staging import phase as staging
 
 PAUSE_TARGET_FLOORS = 1.5  # pause + resume within 1.5x two engine round trips
 TARGETS = {"disk": 0.9, "gloo": 0.9, "nccl": 0.9, "tensors": 0.8, "ipc": 0.9}
 # The floor of an update that moves bytes like a raw transport and then loads them: that
-# transport with the in-memory reload running beside it (bench/floors.py).
+# transport with the in-memory reload running beside it (bench/weights/floors.py).
 BESIDE = {"gloo": "raw_gloo_beside_reload", "tensors": "raw_grpc_stream_beside_reload"}
 
 
@@ -34,10 +34,10 @@ def log(msg: str) -> None:
 
 
 def phase(quick: bool) -> dict[str, Any]:
-    from bench.procs import Worker
+    from bench.lib.procs import Worker
 
     log("weights: building the synthetic checkpoints (once, under bench/.cache)")
-    builder = Worker(["build", *(["--quick"] if quick else [])], module="bench.weights_clients")
+    builder = Worker(["build", *(["--quick"] if quick else [])], module="bench.weights.clients")
     try:
         models = builder.expect("result", 900)["models"]
     finally:
@@ -51,15 +51,15 @@ def phase(quick: bool) -> dict[str, Any]:
 
 def measure(ckpt: Checkpoint, model: Path, quick: bool) -> dict[str, Any]:
     """Serve `model` with its own `enginectl serve` and measure every figure on it."""
-    from bench.procs import Worker, bench_env, model_server
+    from bench.lib.procs import Worker, bench_env, model_server
 
     server = model_server(
         model,
-        ["--allow-weights-from", str(model), "--worker-extension-cls", "bench.worker_ext.BenchWorkerExtension"],
+        ["--allow-weights-from", str(model), "--worker-extension-cls", "bench.lib.worker_ext.BenchWorkerExtension"],
     )
     server.name = f"enginectl-weights-{ckpt.key}"
     server.keep_lines = True  # the "weights updated" events: where each update's time went
-    server.env = bench_env() | {"VLLM_SERVER_DEV_MODE": "1"}  # bench.worker_ext importable by the worker
+    server.env = bench_env() | {"VLLM_SERVER_DEV_MODE": "1"}  # bench.lib.worker_ext importable by the worker
     server.start()
     try:
         server.wait_ready()
@@ -77,7 +77,7 @@ def measure(ckpt: Checkpoint, model: Path, quick: bool) -> dict[str, Any]:
                 "--pause-reps",
                 "5" if quick else "30",
             ],
-            module="bench.weights_clients",
+            module="bench.weights.clients",
         )
         try:
             result = worker.expect("result", 1800)
@@ -125,7 +125,7 @@ def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _checkpoint_figures(key: str, ck: dict[str, Any]) -> list[dict[str, Any]]:
-    """The pause row, the update rows and the two-phase rows (bench/staging.py) of one checkpoint."""
+    """The pause row, the update rows and the two-phase rows (bench/staging/phase.py) of one checkpoint."""
     what = f"{ck['label']} ({ck['num_tensors']} tensors, {ck['payload_bytes'] / 1e6:.0f} MB)"
     pause, trip = ck["pause"], ck["engine_round_trip_floor"]
     ours_ms, http_ms = pause["enginectl"]["median_ms"], pause["vllm_http"]["median_ms"]
@@ -163,7 +163,7 @@ def _checkpoint_figures(key: str, ck: dict[str, Any]) -> list[dict[str, Any]]:
             tensors,
         ),
     ]
-    if "nccl" in ck:  # only where CUDA is (bench/weights_clients.py measure_nccl)
+    if "nccl" in ck:  # only where CUDA is (bench/weights/clients.py measure_nccl)
         rows.append(
             ("nccl", "UpdateWeightsFromDistributed (NCCL)", "in-process reload_weights", reload_gbs, ck["nccl"])
         )
@@ -182,14 +182,14 @@ def _checkpoint_figures(key: str, ck: dict[str, Any]) -> list[dict[str, Any]]:
         ours = group["enginectl"]["gb_per_s"]
         ratio = _ratio(ours, base)
         floor = f"memcpy {copy['gb_per_s']:.3f} GB/s = {copy['median_ms']:.0f} ms"
-        if fingerprint_ms is not None:  # what the contract adds to the baseline (bench/floors.py)
+        if fingerprint_ms is not None:  # what the contract adds to the baseline (bench/weights/floors.py)
             with_fingerprint = ck["payload_bytes"] / base / 1e6 + fingerprint_ms
             floor += (
                 f"; baseline + the declaration's fingerprint ({fingerprint_ms:.0f} ms) "
                 f"{with_fingerprint:.0f} ms: {_ratio(with_fingerprint, group['enginectl']['median_ms'])}x of it"
             )
         both = group.get(BESIDE.get(kind, ""))
-        if both:  # the raw transport with the in-memory reload beside it (bench/floors.py)
+        if both:  # the raw transport with the in-memory reload beside it (bench/weights/floors.py)
             floor += (
                 f"; transport and reload at once {both['median_ms']:.0f} ms: "
                 f"{_ratio(both['median_ms'], group['enginectl']['median_ms'])}x of it"
@@ -231,7 +231,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
         "/ floor: median ms over the row's floor ms.",
         "",
         "Floors, measured in the same run by the bench's client process on the same machine "
-        "(bench/floors.py): *memcpy*: every load writes the whole payload into the parameters at "
+        "(bench/weights/floors.py): *memcpy*: every load writes the whole payload into the parameters at "
         "least once, so no load beats `Tensor.copy_` of the checkpoint's own tensors into "
         "buffers allocated once (a first pass faults them in; one pass is timed after every update "
         "rep, with 1 thread and with torch's default, and the faster median is the floor: on a busy "
@@ -285,7 +285,7 @@ def _checkpoint_table(ck: dict[str, Any]) -> list[str]:
             "and loads on every rank, *finish* is one round trip per rank (prefix-cache reset, "
             "version stamp, resume: generation is paused until it ends), *fingerprint* the "
             "declaration's sampled fingerprint, taken after generation resumed. A *commit* of staged weights loads "
-            "from the worker's staging buffer (bench/staging.py).",
+            "from the worker's staging buffer (bench/staging/phase.py).",
             "",
             "| update | pause | load | finish | fingerprint |",
             "|---|---|---|---|---|",

@@ -1,6 +1,6 @@
-"""The soak's load (bench/soak.py): rollout threads on vLLM's HTTP API, CAS writers, and the
+"""The soak's load (bench/soak/run.py): rollout threads on vLLM's HTTP API, CAS writers, and the
 weight updates, rotating sources and checkpoints (tensor-stream and gloo updates are sent by the
-trainer subprocess, bench/soak_trainer.py).
+trainer subprocess, bench/soak/trainer.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.procs import Worker
-from bench.soak_records import (
+from bench.lib.procs import Worker
+from bench.soak.records import (
     REQUEST_TIMEOUT_S,
     SOURCES,
     UPDATE_TIMEOUT_S,

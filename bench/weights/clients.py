@@ -1,7 +1,7 @@
-"""Load side of the weight-update bench (bench/weights.py): `python -m bench.weights_clients MODE`.
+"""Load side of the weight-update bench (bench/weights/phase.py): `python -m bench.weights.clients MODE`.
 
 Runs in subprocesses of `python -m bench`, speaking JSON lines on stdout:
-- `build [--quick]`: build (once) both synthetic checkpoints (bench/checkpoints.py); prints
+- `build [--quick]`: build (once) both synthetic checkpoints (bench/lib/checkpoints.py); prints
   {"event": "result", "models": {key: dir}}.
 - `run --target T --http-port P --model DIR --reps N`: measures, interleaved rep by rep, each
   enginectl figure and its baseline on the same server and the same bytes:
@@ -11,8 +11,8 @@ Runs in subprocesses of `python -m bench`, speaking JSON lines on stdout:
     gloo      TrainerClient.broadcast_weights           vs  a raw gloo broadcast to another process
               (bucketed, the client's default, and one collective per tensor)
     ipc       TrainerClient.update_weights_from_ipc     vs  reload_weights over the same tensors
-              held in the worker's memory (bench/worker_ext.py, timed in the worker)
-  and, in the same run, the physical floors (bench/floors.py): GetGenerationState between the
+              held in the worker's memory (bench/lib/worker_ext.py, timed in the worker)
+  and, in the same run, the physical floors (bench/weights/floors.py): GetGenerationState between the
   pause reps, and the memcpy bandwidth of the checkpoint's tensors into reused buffers.
 - `sink`: a bare grpc server whose one client-streaming method drops what it receives.
 - `gloo-recv --port P --file F --reps N`: rank 1 of a raw two-process gloo group.
@@ -34,8 +34,9 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-from bench import checkpoints, floors
-from bench.lines import emit
+from bench.lib import checkpoints
+from bench.lib.lines import emit
+from bench.weights import floors
 from enginectl.client.trainer import DEFAULT_BUCKET_BYTES
 from enginectl.common import buckets
 
@@ -122,7 +123,7 @@ def raw_gloo(
         [
             sys.executable,
             "-m",
-            "bench.weights_clients",
+            "bench.weights.clients",
             "gloo-recv",
             "--port",
             str(store.port),
@@ -220,7 +221,7 @@ def run(target: str, http_port: int, model: Path, reps: int, pause_reps: int) ->
     body = {"method": "bench_reload_in_memory", "kwargs": {"path": str(file)}}
     http_json(http_port, "/collective_rpc", body)  # the worker reads the file once, and keeps it
 
-    def reload() -> None:  # the in-memory reload, run beside a raw transport (bench/floors.py)
+    def reload() -> None:  # the in-memory reload, run beside a raw transport (bench/weights/floors.py)
         http_json(http_port, "/collective_rpc", body)
 
     with TrainerClient(target, timeout=600) as client:
@@ -258,7 +259,7 @@ def measure_disk(
 ) -> dict[str, Any]:
     """enginectl's UpdateWeightsFromDisk vs vLLM's own reload_weights of the same directory;
     and the fingerprint every declaration takes, alone: a sampled VerifyWeights right after
-    each reload (fresh kernels, as after an update's load; bench/floors.py)."""
+    each reload (fresh kernels, as after an update's load; bench/weights/floors.py)."""
     ours, theirs, done, fingerprint = [], [], [], []
     body = {"method": "reload_weights", "kwargs": {"weights_path": str(model)}}
     for i in range(reps):
@@ -296,7 +297,7 @@ def measure_tensors(
         header=pb2.TensorStreamHeader(tensors=[tensor_spec(n, t) for n, t in named])
     )
     sink_proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.weights_clients", "sink"],
+        [sys.executable, "-m", "bench.weights.clients", "sink"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -387,7 +388,7 @@ def measure_ipc(
 ) -> dict[str, Any]:
     """enginectl's same-host zero-copy update (handles to this process's tensors, end to end:
     pause, load, cache reset, fingerprint, resume) vs vLLM's reload_weights over the same
-    tensors already in the worker's memory, timed inside the worker (bench/worker_ext.py)."""
+    tensors already in the worker's memory, timed inside the worker (bench/lib/worker_ext.py)."""
     body = {"method": "bench_reload_in_memory", "kwargs": {"path": file}}
     http_json(http_port, "/collective_rpc", body)  # the worker reads the file once, and keeps it
     ours, theirs, done = [], [], []
@@ -400,7 +401,7 @@ def measure_ipc(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.weights_clients")
+    parser = argparse.ArgumentParser(prog="python -m bench.weights.clients")
     parser.add_argument("mode", choices=("build", "run", "sink", "gloo-recv"))
     parser.add_argument("--quick", action="store_true", help="build: the smoke-run checkpoints")
     parser.add_argument("--target")

@@ -1,7 +1,7 @@
 """The bench's worker extension: enginectl's, plus one baseline measured inside the worker.
 
-Runs INSIDE the vLLM worker of the weights bench's server only (bench/weights.py starts it
-with `--worker-extension-cls bench.worker_ext.BenchWorkerExtension` and the repository on
+Runs INSIDE the vLLM worker of the weights bench's server only (bench/weights/phase.py starts it
+with `--worker-extension-cls bench.lib.worker_ext.BenchWorkerExtension` and the repository on
 PYTHONPATH); reached through vLLM's own /collective_rpc route (VLLM_SERVER_DEV_MODE=1), on
 the worker's RPC thread, between forward passes, as every enginectl load is.
 
@@ -9,7 +9,7 @@ the worker's RPC thread, between forward passes, as every enginectl load is.
 already in memory: vLLM's `reload_weights(weights_iterator=...)` over tensors the worker
 holds (read from `path` once, kept), timed inside the worker, with nothing around it (no
 pause, no RPC, no cache reset). The same-host zero-copy update (UpdateWeightsFromIpc) and
-the commit of staged weights (bench/staging.py) are measured against it. With `flat=True` the
+the commit of staged weights (bench/staging/phase.py) are measured against it. With `flat=True` the
 tensors are views of one uint8 buffer, back to back in file order, as a commit hands them
 over from the worker's staging buffer (worker/weights/staging.py): the same reload, with only
 the commit's memory layout, to tell the layout's cost from the rest of a commit's load.

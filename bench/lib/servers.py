@@ -1,4 +1,4 @@
-"""Baseline gRPC servers for the benchmark, without vLLM: `python -m bench.servers --variant V`.
+"""Baseline gRPC servers for the benchmark, without vLLM: `python -m bench.lib.servers --variant V`.
 
 Runs in its own subprocess, started by `python -m bench`. Prints one JSON `serving` line
 with its port, then serves on 127.0.0.1 until SIGTERM/SIGINT.
@@ -88,7 +88,7 @@ async def run(variant: str, host: str, port: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.servers")
+    parser = argparse.ArgumentParser(prog="python -m bench.lib.servers")
     parser.add_argument("--variant", choices=VARIANTS, default="bare")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)

@@ -1,7 +1,7 @@
-"""Load side of the two-phase update bench (bench/staging.py): `python -m bench.staging_clients MODE`.
+"""Load side of the two-phase update bench (bench/staging/phase.py): `python -m bench.staging.clients MODE`.
 
-Runs in subprocesses of `python -m bench`, on the weights bench's server (bench/weights.py),
-speaking JSON lines on stdout (bench/lines.py):
+Runs in subprocesses of `python -m bench`, on the weights bench's server (bench/weights/phase.py),
+speaking JSON lines on stdout (bench/lib/lines.py):
 
 - `commit --target T --http-port P --served-model M --model DIR --reps N`: per rep, interleaved
   (which of the two goes first alternates), each while one long streaming rollout runs on
@@ -9,7 +9,7 @@ speaking JSON lines on stdout (bench/lines.py):
     commit    stage_weights_from_disk(DIR) with nothing running, then, once the rollout has
               its first tokens, commit_staged_weights (version `commit-<rep>`)
     reload    vLLM's reload_weights over the same tensors already in the worker's memory
-              (bench/worker_ext.py `bench_reload_in_memory`, through the dev-mode
+              (bench/lib/worker_ext.py `bench_reload_in_memory`, through the dev-mode
               /collective_rpc route: no pause, no RPC of ours, no cache reset)
   and for each the longest gap between two streamed tokens that overlaps the call: how long
   the rollout saw no token. The server's own paused window of each commit is read by the
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.lines import emit, report_errors
-from bench.weights_clients import http_json
+from bench.lib.lines import emit, report_errors
+from bench.weights.clients import http_json
 
 LEAD_TOKENS = 8  # tokens the rollout has before the call: it is generating, its KV cache is short
 TAIL_TOKENS = 4  # tokens it gets after the call returns, to close the gap that spans it
@@ -140,7 +140,7 @@ def commit_reps(target: str, http_port: int, served_model: str, model: Path, rep
     with TrainerClient(target, timeout=600) as client:
         for i in range(reps):
             # The same commit without the prefix-cache reset: the rollout keeps its KV, so the
-            # difference in token gap is the recompute the reset costs (bench/staging.py).
+            # difference in token gap is the recompute the reset costs (bench/staging/phase.py).
             kept = client.stage_weights_from_disk(str(model), f"commit-keep-kv-{i}")
 
             def commit_keeping_kv(name: str = kept.name) -> Any:
@@ -252,7 +252,7 @@ def copy_loop(model: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.staging_clients")
+    parser = argparse.ArgumentParser(prog="python -m bench.staging.clients")
     parser.add_argument("mode", choices=("commit", "stage-loop", "copy-loop"))
     parser.add_argument("--target")
     parser.add_argument("--model", type=Path, required=True)

@@ -1,9 +1,9 @@
 """A fleet update, one broadcast to 2 servers vs the same update to 1 (bench/README.md, figure 8).
 
 Runs in the `python -m bench` process, which only orchestrates: a worker subprocess builds
-(once, under bench/.cache) the weights bench's "few large" checkpoint (bench/checkpoints.py);
+(once, under bench/.cache) the weights bench's "few large" checkpoint (bench/lib/checkpoints.py);
 two `enginectl serve` subprocesses serve it at once, with the weights bench's small KV cache
-(bench/weights.py); `python -m bench.fleet_clients run` is the trainer (docs/weights.md, "The
+(bench/weights/phase.py); `python -m bench.fleet.clients run` is the trainer (docs/weights.md, "The
 fleet"): per rep, interleaved, `Fleet([A, B])` and `Fleet([A])` each stage the checkpoint's
 tensors from one broadcast through their own gloo group and commit it strictly (pause all,
 commit each, resume all), and a raw gloo broadcast of the same tensors goes to 2 receiver
@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.checkpoints import checkpoints
 from bench.harness import ServeProcess
-from bench.stats import median_ms
+from bench.lib.checkpoints import checkpoints
+from bench.lib.stats import median_ms
 
 TARGET = 1.15  # end to end, 2 servers / 1 server <=
 SERVERS = 2
@@ -34,10 +34,10 @@ def log(msg: str) -> None:
 
 
 def phase(quick: bool) -> dict[str, Any]:
-    from bench.procs import Worker
+    from bench.lib.procs import Worker
 
     log("fleet: building the few-large checkpoint (once, under bench/.cache)")
-    builder = Worker(["build", *(["--quick"] if quick else [])], module="bench.fleet_clients")
+    builder = Worker(["build", *(["--quick"] if quick else [])], module="bench.fleet.clients")
     try:
         model = Path(builder.expect("result", 900)["model"])
     finally:
@@ -53,7 +53,7 @@ def _server(model: Path, index: int) -> ServeProcess:
     engines sharing a host need (docs/operations.md, "Several engines on one CPU host"): left
     to vLLM's automatic binding, every engine on the host binds its worker to the same first
     core."""
-    from bench.procs import model_server
+    from bench.lib.procs import model_server
 
     server = model_server(model)
     server.name = f"enginectl-fleet-{index}"
@@ -67,7 +67,7 @@ def _server(model: Path, index: int) -> ServeProcess:
 def measure(model: Path, reps: int) -> dict[str, Any]:
     """Serve `model` twice at once and run the trainer against both; both servers are
     stopped whatever happens, and a child process left behind fails the phase."""
-    from bench.procs import Worker
+    from bench.lib.procs import Worker
 
     servers = [_server(model, i) for i in range(SERVERS)]
     log(f"fleet: starting {SERVERS} servers on {model.name}")
@@ -82,7 +82,7 @@ def measure(model: Path, reps: int) -> dict[str, Any]:
             "2-server and a 1-server update and a raw gloo broadcast to 2 and to 1, interleaved"
         )
         targets = [arg for s in servers for arg in ("--target", s.grpc_target)]
-        worker = Worker(["run", *targets, "--model", str(model), "--reps", str(reps)], module="bench.fleet_clients")
+        worker = Worker(["run", *targets, "--model", str(model), "--reps", str(reps)], module="bench.fleet.clients")
         try:
             result = worker.expect("result", 900)
         finally:

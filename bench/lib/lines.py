@@ -1,5 +1,5 @@
 """The worker side of the JSON-lines protocol between `python -m bench` and its subprocesses:
-one JSON object a line on stdout, with an `event`; an `error` line reports a failure (bench/procs.py's
+one JSON object a line on stdout, with an `event`; an `error` line reports a failure (bench/lib/procs.py's
 `Worker.expect` raises it in the orchestrator)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The soak's results and report (bench/soak.py): summaries of the load for latest.json, and
+"""The soak's results and report (bench/soak/run.py): summaries of the load for latest.json, and
 latest.md.
 """
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.soak_load import RolloutStats, UpdateStats
-from bench.soak_records import SOURCES, VLLM_PLACEHOLDER
-from bench.stats import summarize_ms
+from bench.lib.stats import summarize_ms
+from bench.soak.load import RolloutStats, UpdateStats
+from bench.soak.records import SOURCES, VLLM_PLACEHOLDER
 
 
 def rollout_summary(st: RolloutStats, warmup: float) -> dict[str, Any]:

@@ -1,7 +1,7 @@
-"""The synthetic checkpoints of the weight-update bench (bench/weights.py; bench/README.md, figure 6).
+"""The synthetic checkpoints of the weight-update bench (bench/weights/phase.py; bench/README.md, figure 6).
 
 The specs are read by the `python -m bench` process; `build` runs in a `python -m
-bench.weights_clients build` subprocess (torch is imported there only). Both checkpoints are
+bench.weights.clients build` subprocess (torch is imported there only). Both checkpoints are
 random float32 Llamas of about 200 MB, built once under bench/.cache (git-ignored) next to a
 copy of the embedded tiny model's tokenizer, which vLLM loads like any model directory:
 
@@ -20,7 +20,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE_DIR = Path(__file__).resolve().parent / ".cache"
+CACHE_DIR = Path(__file__).resolve().parents[1] / ".cache"
 
 
 @dataclass(frozen=True)

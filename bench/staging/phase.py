@@ -1,13 +1,13 @@
 """Two-phase (staged) weight updates (bench/README.md, figure 6, "Two-phase updates"), on
 the weights bench's server, one checkpoint at a time.
 
-Runs in the `python -m bench` process, which only orchestrates; bench/weights.py calls
+Runs in the `python -m bench` process, which only orchestrates; bench/weights/phase.py calls
 `measure` with the server it started for a checkpoint, once its other figures are done:
 
-- **Generation pause of a commit.** `python -m bench.staging_clients commit` stages the
+- **Generation pause of a commit.** `python -m bench.staging.clients commit` stages the
   checkpoint from disk, then commits it while a long rollout streams, interleaved rep by rep
   with vLLM's reload_weights over the same tensors already in the worker's memory
-  (bench/worker_ext.py, through /collective_rpc) while a rollout streams. The commit's pause
+  (bench/lib/worker_ext.py, through /collective_rpc) while a rollout streams. The commit's pause
   is the server's paused window, load + finish of the `phases_ms` of its "weights updated"
   log line: from the pause's answer (the engine answers once it paused, after the step in
   flight) to the resume's; the baseline is the reload's time inside the worker. The window
@@ -19,8 +19,8 @@ Runs in the `python -m bench` process, which only orchestrates; bench/weights.py
   that keeps the prefix cache (`reset_prefix_cache=false`), whose token gap leaves out the
   rollout's recompute of its KV after the reset.
 - **Rollout throughput while staging.** Rounds cycle idle, staging, control, idle, ...:
-  each runs the bench's rollout driver (bench/procs.py `rollout_driver`, streaming
-  /v1/completions) for a window; in a staging round `python -m bench.staging_clients
+  each runs the bench's rollout driver (bench/lib/procs.py `rollout_driver`, streaming
+  /v1/completions) for a window; in a staging round `python -m bench.staging.clients
   stage-loop` stages the checkpoint from disk and discards it back to back (a discard frees
   the staging buffer, so every stage fills fresh pages), from before the rollouts start
   until after the window ends. The control round runs `copy-loop` instead: the staging
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ServeProcess
-from bench.stats import median_ms
+from bench.lib.stats import median_ms
 
 COMMIT_PAUSE_TARGET = 1.1  # commit pause / in-memory reload_weights <=
 ROLLOUT_STREAMS, ROLLOUT_TOKENS = 4, 64
@@ -59,7 +59,7 @@ def measure(server: ServeProcess, model: Path, quick: bool) -> dict[str, Any]:
 
 
 def measure_commit(server: ServeProcess, model: Path, reps: int) -> dict[str, Any]:
-    from bench.procs import Worker
+    from bench.lib.procs import Worker
 
     log(f"weights: staged commit vs in-memory reload_weights, {reps} reps, each under a streaming rollout")
     worker = Worker(
@@ -76,7 +76,7 @@ def measure_commit(server: ServeProcess, model: Path, reps: int) -> dict[str, An
             "--reps",
             str(reps),
         ],
-        module="bench.staging_clients",
+        module="bench.staging.clients",
     )
     try:
         res = worker.expect("result", 900)
@@ -151,13 +151,13 @@ def measure_throughput(server: ServeProcess, model: Path, rounds: int, window: f
 
 def _throughput_round(server: ServeProcess, model: Path, mode: str, window: float) -> dict[str, Any]:
     """One window of rollouts; for staging or control, inside that loop, which starts first."""
-    from bench.procs import Worker, rollout_driver
+    from bench.lib.procs import Worker, rollout_driver
 
     stager = None
     try:
         if mode in LOOPS:
             stager = Worker(
-                [LOOPS[mode], "--target", server.grpc_target, "--model", str(model)], "bench.staging_clients"
+                [LOOPS[mode], "--target", server.grpc_target, "--model", str(model)], "bench.staging.clients"
             )
             stager.expect("looping", 300)
         driver = rollout_driver(server, ROLLOUT_STREAMS, ROLLOUT_TOKENS, window + 150)

@@ -1,7 +1,7 @@
-"""Trainer side of the soak (bench/soak.py): `python -m bench.soak_trainer --target T --model DIR --root DIR`.
+"""Trainer side of the soak (bench/soak/run.py): `python -m bench.soak.trainer --target T --model DIR --root DIR`.
 
 Runs in a subprocess of `python -m bench.soak`, so that torch lives here and not in the soak
-process, and speaks JSON lines like the bench's other workers (bench/procs.py `Worker`):
+process, and speaks JSON lines like the bench's other workers (bench/lib/procs.py `Worker`):
 
 1. builds two safetensors checkpoints of the served tiny model under ROOT, as
    tests/weights_fixtures.py does: A is a copy of the model's files (the weights the server
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.lines import emit, report_errors
+from bench.lib.lines import emit, report_errors
 from enginectl.client import EnginectlError, TrainerClient, UpdateResult
 
 B_SEED = 1
@@ -116,7 +116,7 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak_trainer")
+    parser = argparse.ArgumentParser(prog="python -m bench.soak.trainer")
     parser.add_argument("--target", required=True, help="the server's gRPC address (127.0.0.1:PORT)")
     parser.add_argument("--model", type=Path, required=True, help="the served model's directory")
     parser.add_argument("--root", type=Path, required=True, help="an allowed weights root (empty)")

@@ -1,4 +1,4 @@
-"""Shared records of the soak (bench/soak.py): its fixed names and bounds of time, the errors and
+"""Shared records of the soak (bench/soak/run.py): its fixed names and bounds of time, the errors and
 acknowledged writes every load loop reports into, and resource snapshots of the server's processes.
 """
 

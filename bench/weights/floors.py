@@ -1,6 +1,6 @@
 """Physical floors of the weight-update bench (bench/README.md, figure 6), measured in the same run.
 
-Runs in the `python -m bench.weights_clients run` process, on the machine the server runs on,
+Runs in the `python -m bench.weights.clients run` process, on the machine the server runs on,
 next to the measurements the floors bound:
 
 - **memcpy**: a load, whatever carries the bytes (page cache, gloo, a gRPC stream), writes
@@ -14,7 +14,7 @@ next to the measurements the floors bound:
   baseline does and loads them as `reload_weights` does; on a machine of two cores the two
   jobs slow each other down (a core, the memory bandwidth), so neither alone is its floor.
   The bench runs the raw transport (gloo in the client's 4 MiB buckets) with the in-memory
-  reload (bench/worker_ext.py, through /collective_rpc) started beside it, rep by rep, and
+  reload (bench/lib/worker_ext.py, through /collective_rpc) started beside it, rep by rep, and
   times until both ended: an update that overlapped its receive and its load perfectly
   would take that long.
 - **the declaration's fingerprint**: every update that declares a version records the
@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.stats import summarize_ms
+from bench.lib.stats import summarize_ms
 
 
 class MemcpyFloor:

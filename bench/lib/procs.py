@@ -1,7 +1,7 @@
 """Subprocesses of the benchmark: servers (bench/harness.py's ServeProcess) and load generators.
 
 Runs in the `python -m bench` process. A server is ready once it prints a JSON line whose
-`event` is `serving` (enginectl's structlog line, or bench.servers' own); no sleeps. `stop()`
+`event` is `serving` (enginectl's structlog line, or bench.lib.servers' own); no sleeps. `stop()`
 sends SIGTERM, waits, and checks that no descendant survived. A load generator (`Worker`)
 speaks JSON lines on its stdin and stdout.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench.harness import ServeProcess, base_env, serve_command
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def bench_env() -> dict[str, str]:
@@ -39,7 +39,7 @@ def enginectl_server(extra_args: Sequence[str] = ()) -> ServeProcess:
 
 
 def model_server(model: Path, extra_args: Sequence[str] = ()) -> ServeProcess:
-    """`enginectl serve` on a synthetic checkpoint of bench/checkpoints.py: float32, eager, a
+    """`enginectl serve` on a synthetic checkpoint of bench/lib/checkpoints.py: float32, eager, a
     64 MiB KV cache (a user's model needs a memory flag on a busy host), seeded."""
     return enginectl_server(
         [
@@ -62,8 +62,8 @@ def model_server(model: Path, extra_args: Sequence[str] = ()) -> ServeProcess:
 
 
 def baseline_server(variant: str) -> ServeProcess:
-    """A gRPC server of bench.servers (no vLLM) in its own process."""
-    return ServeProcess([sys.executable, "-m", "bench.servers", "--variant", variant], bench_env(), name=variant)
+    """A gRPC server of bench.lib.servers (no vLLM) in its own process."""
+    return ServeProcess([sys.executable, "-m", "bench.lib.servers", "--variant", variant], bench_env(), name=variant)
 
 
 def rollout_driver(
@@ -74,7 +74,7 @@ def rollout_driver(
     via: str = "http",
     ttft_samples: bool = False,
 ) -> Worker:
-    """`python -m bench.clients rollouts`: `streams` streaming requests looping on the server
+    """`python -m bench.lib.clients rollouts`: `streams` streaming requests looping on the server
     until told to stop (or `max_seconds`): /v1/completions on its HTTP API (`via="http"`) or
     Generate of vLLM's gRPC engine service on its control port (`via="grpc"`)."""
     args = ["--streams", str(streams), "--max-tokens", str(max_tokens), "--max-seconds", str(max_seconds)]
@@ -85,10 +85,10 @@ def rollout_driver(
 
 
 class Worker:
-    """A load-generating subprocess (`python -m bench.clients ...`, or another `module`)
+    """A load-generating subprocess (`python -m bench.lib.clients ...`, or another `module`)
     speaking JSON lines."""
 
-    def __init__(self, args: list[str], module: str = "bench.clients") -> None:
+    def __init__(self, args: list[str], module: str = "bench.lib.clients") -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
             env=bench_env(),

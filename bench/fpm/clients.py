@@ -1,6 +1,6 @@
-"""FPM load processes of the benchmark: `python -m bench.fpm_clients subscribe|publish`.
+"""FPM load processes of the benchmark: `python -m bench.fpm.clients subscribe|publish`.
 
-Each runs in its own subprocess, started by `python -m bench` (bench/fpm.py), and reports
+Each runs in its own subprocess, started by `python -m bench` (bench/fpm/phase.py), and reports
 JSON lines on stdout (`ready`, `probe_seen`, `result`, `error`). Every loop is bounded in
 count and time.
 
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import grpc
 import zmq
 
-from bench.lines import emit, report_errors
-from bench.stats import summarize_ms
+from bench.lib.lines import emit, report_errors
+from bench.lib.stats import summarize_ms
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
@@ -279,7 +279,7 @@ def cmd_rpc_probe(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.fpm_clients")
+    parser = argparse.ArgumentParser(prog="python -m bench.fpm.clients")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("subscribe")
     p.add_argument("--target", required=True)

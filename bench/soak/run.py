@@ -2,7 +2,7 @@
 
 Not part of `make test` or CI. Runs in its own process; everything is on 127.0.0.1. One
 `enginectl serve --enable-scale-out --worker-id soak --allow-weights-from <tmp dir>` on the
-embedded tiny model (started and stopped by bench/procs.py) gets, for `--duration` seconds
+embedded tiny model (started and stopped by bench/lib/procs.py) gets, for `--duration` seconds
 (default 600), all at once:
 
 - rollouts: 2-4 threads looping `POST /inference/v1/generate` on vLLM's HTTP API, prompts of
@@ -11,7 +11,7 @@ embedded tiny model (started and stopped by bench/procs.py) gets, for `--duratio
   checkpoints A and B, each with a weight_version, each followed by a declaration
   (SetWeightVersion without etag), and a VerifyWeights after every full rotation. Disk
   updates go from this process; tensor-stream and gloo updates from a trainer subprocess
-  (bench/soak_trainer.py, which also builds the checkpoints: torch stays out of here);
+  (bench/soak/trainer.py, which also builds the checkpoints: torch stays out of here);
 - 2 CAS writers looping GetWeightVersion -> SetWeightVersion(etag);
 - one WeightVersion watcher subscribed before anything starts, which must see every
   acknowledged write exactly once with consecutive revisions (lost writes: 0);
@@ -23,7 +23,7 @@ embedded tiny model (started and stopped by bench/procs.py) gets, for `--duratio
   updates; every `SAMPLE_INTERVAL_S` for the time series.
 
 It fails (exit 1, naming each failed check) on growth from after-warm-up to the end beyond
-the bounds in bench/soak_checks.py, on lost writes, on unreported FPM or Watch gaps, on the
+the bounds in bench/soak/checks.py, on lost writes, on unreported FPM or Watch gaps, on the
 engine dying, on any UNKNOWN/INTERNAL status (or HTTP 5xx), and on any other unexpected error.
 Writes bench/results/soak/latest.json and latest.md. Every loop is bounded in count and in time.
 """
@@ -45,11 +45,11 @@ from typing import Any
 import psutil
 
 from bench.harness import ServeProcess
-from bench.procs import Worker, enginectl_server
+from bench.lib.procs import Worker, enginectl_server
 from bench.run import HTTP_STARTUP_LINE, log, machine_info, repo_info, wait_http_ready
-from bench.soak_checks import checks, verify_writes
-from bench.soak_load import CasStats, RolloutStats, Updater, cas_loop, guarded, rollout_loop
-from bench.soak_records import (
+from bench.soak.checks import checks, verify_writes
+from bench.soak.load import CasStats, RolloutStats, Updater, cas_loop, guarded, rollout_loop
+from bench.soak.records import (
     SOURCES,
     UPDATE_TIMEOUT_S,
     VLLM_PLACEHOLDER,
@@ -59,13 +59,13 @@ from bench.soak_records import (
     Writes,
     snapshot,
 )
-from bench.soak_report import markdown, rollout_summary, update_summary
-from bench.soak_streams import Streams
+from bench.soak.report import markdown, rollout_summary, update_summary
+from bench.soak.streams import Streams
 from enginectl.client import Client
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results" / "soak"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results" / "soak"
 # Each FPM subscriber's queue on the soak's server (`--fpm-subscriber-queue`, default 4,096):
-# small, so that the slow reader (bench/soak_streams.py) overflows it within a session and the
+# small, so that the slow reader (bench/soak/streams.py) overflows it within a session and the
 # `missed` accounting is exercised; the fast reader drains it as samples arrive.
 FPM_SUBSCRIBER_QUEUE = 64
 SAMPLE_INTERVAL_S = 10.0
@@ -160,7 +160,7 @@ class Soak:
             log(f"serving on {target}; building checkpoints A and B under {root}")
             trainer = Worker(
                 ["--target", target, "--model", model, "--root", str(root), "--timeout", str(UPDATE_TIMEOUT_S)],
-                module="bench.soak_trainer",
+                module="bench.soak.trainer",
             )
             ready = trainer.expect("ready", 300)
             results["checkpoints"] = {"tensors": ready["tensors"], "bytes": ready["bytes"]}

@@ -2,7 +2,7 @@
 subscribers. Called by bench/run.py (phase `fpm`) with the enginectl server it started.
 
 Runs in the `python -m bench` process, which only orchestrates: publishers and subscribers
-are `python -m bench.fpm_clients` subprocesses (see that module).
+are `python -m bench.fpm.clients` subprocesses (see that module).
 
 - latency: the real path. Rollout streams on vLLM's HTTP API make the engine's scheduler
   step; each step's sample goes EngineCore publisher -> ZMQ -> relay -> gRPC stream -> a
@@ -14,7 +14,7 @@ are `python -m bench.fpm_clients` subprocesses (see that module).
   sample (none missed, none out of order); its delivered rate is samples / (last receipt -
   first send). Rates rise until one fails. Target: >= 50,000 samples/s passes.
 - overload: the capacity is the best passing rate's delivered rate; then twice that is
-  offered the same way while `python -m bench.fpm_clients rpc-probe` calls GetWeightVersion
+  offered the same way while `python -m bench.fpm.clients rpc-probe` calls GetWeightVersion
   on the same server every 2 ms (its p99 then, against the same probe idle just before).
   Targets: the slowest subscriber's delivered rate >= 0.8 x capacity (no collapse), and
   every subscriber's `missed` equal to exactly the samples it did not receive. Then the same
@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 
 from bench.harness import ServeProcess
-from bench.procs import Worker, rollout_driver
+from bench.lib.procs import Worker, rollout_driver
 
 LATENCY_P99_TARGET_MS = 5.0
 FANIN_TARGET = 50_000
@@ -58,7 +58,7 @@ def relay_endpoint(srv: ServeProcess) -> str:
 
 
 def _worker(args: list[str]) -> Worker:
-    return Worker(args, module="bench.fpm_clients")
+    return Worker(args, module="bench.fpm.clients")
 
 
 def phase_latency(eng: ServeProcess, quick: bool) -> dict[str, Any]:
@@ -383,7 +383,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
             bare_idle, bare_loaded = over["bare_rpc_idle"], over["bare_rpc_overload"]
             lines += [
                 "",
-                "A bare grpc.aio server in a process of its own (bench/servers.py), probed the same way "
+                "A bare grpc.aio server in a process of its own (bench/lib/servers.py), probed the same way "
                 "while the same overload is offered to enginectl again: p50 / p99 "
                 f"{bare_idle.get('p50_ms')} / {bare_idle.get('p99_ms')} ms idle, "
                 f"{bare_loaded.get('p50_ms')} / {bare_loaded.get('p99_ms')} ms during the overload: what the "

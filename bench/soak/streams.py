@@ -1,4 +1,4 @@
-"""The soak's stream subscribers (bench/soak.py): the lost-write watcher, and Watch and FPM
+"""The soak's stream subscribers (bench/soak/run.py): the lost-write watcher, and Watch and FPM
 subscribers that come and go, all on one asyncio loop thread.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from bench.soak_records import REQUEST_TIMEOUT_S, WORKER_ID, Errors
+from bench.soak.records import REQUEST_TIMEOUT_S, WORKER_ID, Errors
 from enginectl.client import (
     AsyncClient,
     ChannelConfig,

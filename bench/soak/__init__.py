@@ -1,0 +1,1 @@
+"""`python -m bench.soak` (`make soak`): a bounded soak of one real `enginectl serve` (bench/README.md)."""
