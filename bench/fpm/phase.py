@@ -24,7 +24,6 @@ are `python -m bench.fpm.clients` subprocesses (see that module).
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +32,7 @@ import psutil
 
 from bench.harness import ServeProcess
 from bench.lib.procs import Worker, rollout_driver
+from bench.lib.progress import log
 
 LATENCY_P99_TARGET_MS = 5.0
 FANIN_TARGET = 50_000
@@ -41,10 +41,6 @@ OVERLOAD_TARGET = 0.8  # delivered (slowest subscriber) / capacity >=
 SUBSCRIBERS = 8
 SUB_PROCS = 2
 PUB_PROCS = 2
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def relay_endpoint(srv: ServeProcess) -> str:

@@ -8,6 +8,7 @@ speaks JSON lines on its stdin and stdout.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -82,6 +83,39 @@ def rollout_driver(
     if via == "grpc":
         return Worker(["rollouts", "--via", "grpc", "--grpc", server.grpc_target, *args])
     return Worker(["rollouts", "--http", f"127.0.0.1:{server.http_port}", "--model", server.served_model, *args])
+
+
+HTTP_STARTUP_LINE = b"Application startup complete"  # uvicorn, logged just before it listens
+
+
+def wait_http_ready(srv: ServeProcess, startup_line: threading.Event, timeout: float = 60.0) -> dict:
+    """vLLM's HTTP API may not listen yet when enginectl logs `serving`: wait for uvicorn's
+    startup line, then probe; a refused probe waits for more server output (bounded)."""
+    t0 = time.monotonic()
+    line_seen = startup_line.wait(timeout)
+    deadline = time.monotonic() + timeout
+    probes = 0
+    while True:
+        probes += 1
+        try:
+            http_get_status(srv.http_port, "/version")
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline or srv.proc is None or srv.proc.poll() is not None:
+                raise RuntimeError(f"vLLM HTTP API never accepted connections:\n{srv.tail()}") from None
+            srv.wait_output(0.05)
+    return {"startup_line_seen": line_seen, "probes": probes, "after_serving_s": round(time.monotonic() - t0, 3)}
+
+
+def http_get_status(port: int, path: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    finally:
+        conn.close()
 
 
 class Worker:

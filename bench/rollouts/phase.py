@@ -19,21 +19,17 @@ the phase, is bench/run.py's `phase_rollouts` with the gRPC driver.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from typing import Any
 
 from bench.harness import ServeProcess
 from bench.lib.procs import rollout_driver
+from bench.lib.progress import log
 from bench.lib.stats import ratio, summarize_ms
 
 TOKENS_PER_S_TARGET = 0.9  # grpc tokens/s / http tokens/s >=
 TTFT_P50_TARGET = 1.1  # grpc TTFT p50 / http TTFT p50 <=
 VIAS = ("http", "grpc")
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _round(eng: ServeProcess, via: str, streams: int, tokens: int, window: float) -> tuple[dict[str, Any], list[float]]:

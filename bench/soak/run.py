@@ -45,8 +45,9 @@ from typing import Any
 import psutil
 
 from bench.harness import ServeProcess
-from bench.lib.procs import Worker, enginectl_server
-from bench.run import HTTP_STARTUP_LINE, log, machine_info, repo_info, wait_http_ready
+from bench.lib.procs import HTTP_STARTUP_LINE, Worker, enginectl_server, wait_http_ready
+from bench.lib.progress import log
+from bench.lib.provenance import machine_info, repo_info
 from bench.soak.checks import checks, verify_writes
 from bench.soak.load import CasStats, RolloutStats, Updater, cas_loop, guarded, rollout_loop
 from bench.soak.records import (

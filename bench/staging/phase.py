@@ -32,22 +32,18 @@ Runs in the `python -m bench` process, which only orchestrates; bench/weights/ph
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.harness import ServeProcess
+from bench.lib.progress import log
 from bench.lib.stats import median_ms
 
 COMMIT_PAUSE_TARGET = 1.1  # commit pause / in-memory reload_weights <=
 ROLLOUT_STREAMS, ROLLOUT_TOKENS = 4, 64
 MODES = ("idle", "staging", "control")
 LOOPS = {"staging": "stage-loop", "control": "copy-loop"}
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def measure(server: ServeProcess, model: Path, quick: bool) -> dict[str, Any]:

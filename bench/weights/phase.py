@@ -14,12 +14,11 @@ bench/staging/phase.py measures two-phase updates (stage, commit, discard) on th
 from __future__ import annotations
 
 import statistics
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from bench.lib.checkpoints import Checkpoint, checkpoints
+from bench.lib.progress import log
 from bench.staging import phase as staging
 
 PAUSE_TARGET_FLOORS = 1.5  # pause + resume within 1.5x two engine round trips
@@ -27,10 +26,6 @@ TARGETS = {"disk": 0.9, "gloo": 0.9, "nccl": 0.9, "tensors": 0.8, "ipc": 0.9}
 # The floor of an update that moves bytes like a raw transport and then loads them: that
 # transport with the in-memory reload running beside it (bench/weights/floors.py).
 BESIDE = {"gloo": "raw_gloo_beside_reload", "tensors": "raw_grpc_stream_beside_reload"}
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def phase(quick: bool) -> dict[str, Any]:
