@@ -15,8 +15,8 @@ Two halves, one file:
     - publisher-thread cost: building, serializing and sending one sample, measured on the
       same samples, over the step time (off the engine thread, but it shares the GIL);
     - loss: samples made vs received by the SUB, and the drops reported in them.
-The tiny model's steps are a few milliseconds, so the ratios are a worst case: a real model's
-steps are longer and the publish cost per step is the same.
+The tiny model's steps are short (bench/README.md, figure 5, gives their length), so the ratios
+are a worst case: a real model's steps are longer and the publish cost per step is the same.
 """
 
 from __future__ import annotations

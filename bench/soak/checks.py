@@ -15,16 +15,16 @@ from enginectl.client import Reason, WeightVersion
 # the same load and both taken between two updates, so no update's transient buffers, gloo
 # group or stream is counted). By the end of warm-up the engine has compiled, its caches are
 # in use, the thread pools have grown, and the vLLM worker process has made the climb its RSS
-# makes over its first few hundred updates (about +450 MiB here, flat afterwards: allocator
-# arenas and the CPU backend's repacked weights; a 20% warm-up of the default 10 minutes
-# covers it, runs under ~5 minutes need `--warmup 0.5`). What is left is allocator noise,
-# which moves a ~600 MB Python process by tens of MiB, and bounded structures still filling
-# (the FPM ring of 10,000 samples, the ledger's 10,000 remembered request ids: ~20 MB at
-# most). A leak per update is caught either way: one copy of the tiny model's weights
-# (~1.8 MB) kept per update exceeds 64 MiB within ~35 of the thousands of updates a default
-# run makes; one socket or thread kept per update (e.g. per gloo group) exceeds +16 fds / +8
-# threads within a few rotations. Thread pools that grow on demand (asyncio's default
-# executor: cpu_count + 4) are why threads get some slack.
+# makes over its first few hundred updates (hundreds of MiB, flat afterwards: allocator arenas
+# and the CPU backend's repacked weights; bench/README.md's soak section has the recorded
+# run's; a 20% warm-up of the default 10 minutes covers it, runs under ~5 minutes need
+# `--warmup 0.5`). What is left is allocator noise, which moves a ~600 MB Python process by
+# tens of MiB, and bounded structures still filling (the FPM ring of 10,000 samples, the
+# ledger's 10,000 remembered request ids: ~20 MB at most). A leak per update is caught either
+# way: one copy of the tiny model's weights (~1.8 MB) kept per update exceeds 64 MiB within
+# ~35 of the thousands of updates a default run makes; one socket or thread kept per update
+# (e.g. per gloo group) exceeds +16 fds / +8 threads within a few rotations. Thread pools that
+# grow on demand (asyncio's default executor: cpu_count + 4) are why threads get some slack.
 RSS_GROWTH_FRACTION = 0.10
 RSS_GROWTH_FLOOR = 64 * MIB
 FD_GROWTH = 16
