@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from serving import ServeProcess, base_env
+from support.serving import ServeProcess, base_env
 
 # Registered here, once for the session: a module that imports these fixtures itself gets
 # instances of its own (pytest scopes an imported fixture to the module that imports it).
-from weights_fixtures import checkpoints, weights_server  # noqa: F401
+from support.weights import checkpoints, weights_server  # noqa: F401
 
 
 @pytest.fixture(scope="session")

@@ -32,9 +32,9 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from serving import BIN, READY_TIMEOUT_S, ServeProcess, base_env
+from support.serving import BIN, READY_TIMEOUT_S, ServeProcess, base_env
+from support.weights import Checkpoints, stop_server
 from test_grpc_server_tls import Pki, pki  # noqa: F401 (the fixture, used by the TLS test)
-from weights_fixtures import Checkpoints, stop_server
 
 import enginectl
 from enginectl.client import Client

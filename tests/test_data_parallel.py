@@ -14,8 +14,8 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from serving import ServeProcess, alive
-from weights_fixtures import Checkpoints, checkpoints  # noqa: F401
+from support.serving import ServeProcess, alive
+from support.weights import Checkpoints, checkpoints  # noqa: F401
 
 from enginectl.client import Client
 

@@ -27,7 +27,7 @@ import pytest
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from serving import ServeProcess, alive
+from support.serving import ServeProcess, alive
 
 from enginectl.client.errors import Reason, from_rpc_error
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as fpm_pb2

@@ -23,8 +23,8 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import duration_pb2
-from serving import READY_TIMEOUT_S, ServeProcess
-from weights_fixtures import Checkpoints
+from support.serving import READY_TIMEOUT_S, ServeProcess
+from support.weights import Checkpoints
 
 from enginectl.client import TrainerClient, WeightSource
 from enginectl.fpm.v1 import fpm_identity_service_pb2 as id_pb2

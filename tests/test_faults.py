@@ -34,7 +34,9 @@ from typing import Any
 import grpc
 import psutil
 import pytest
-from fault_helpers import (
+from google.longrunning import operations_pb2
+from google.protobuf import duration_pb2
+from support.fault_helpers import (
     EXIT_WITHIN_S,
     FAILED_WITHIN_S,
     HEALTH_SERVICES,
@@ -58,10 +60,8 @@ from fault_helpers import (
     stalled_stream,
     trainer,
 )
-from google.longrunning import operations_pb2
-from google.protobuf import duration_pb2
-from serving import ServeProcess, alive
-from weights_fixtures import (  # noqa: F401
+from support.serving import ServeProcess, alive
+from support.weights import (  # noqa: F401
     Checkpoints,
     checkpoints,
     greedy_tokens,

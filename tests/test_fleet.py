@@ -23,9 +23,9 @@ from typing import Any
 
 import grpc
 import pytest
-from fault_helpers import HEALTH_SERVICES, NOT_SERVING, SERVING, Child, health
-from serving import BIN, ServeProcess
-from weights_fixtures import Checkpoints, WeightStubs, greedy_tokens, stop_server
+from support.fault_helpers import HEALTH_SERVICES, NOT_SERVING, SERVING, Child, health
+from support.serving import BIN, ServeProcess
+from support.weights import Checkpoints, WeightStubs, greedy_tokens, stop_server
 
 from enginectl.client import Client, Fleet, FleetCommitError, FleetStageError, Reason, TrainerClient
 from enginectl.weights.v1 import weight_update_service_pb2 as upb

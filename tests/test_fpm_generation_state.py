@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 import pytest
-from engine_double import EngineDouble, LoadScript
 from google.longrunning import operations_pb2, operations_pb2_grpc
-from serving import ServeProcess
-from weights_fixtures import Checkpoints, greedy_tokens
+from support.engine_double import EngineDouble, LoadScript
+from support.serving import ServeProcess
+from support.weights import Checkpoints, greedy_tokens
 
 from enginectl.client import Planner
 from enginectl.client.cli_top import build_frame, render_top

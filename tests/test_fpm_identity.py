@@ -19,7 +19,7 @@ import pytest
 from google.protobuf import duration_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
-from serving import READY_TIMEOUT_S, ServeProcess, alive
+from support.serving import READY_TIMEOUT_S, ServeProcess, alive
 
 from enginectl.client.errors import EnginectlError, Reason, from_rpc_error
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2

@@ -20,7 +20,7 @@ from itertools import pairwise
 import grpc
 import pytest
 import zmq
-from fpm_helpers import HEARTBEAT, STEP, read_until, request
+from support.fpm_helpers import HEARTBEAT, STEP, read_until, request
 
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import zmq
-from serving import ServeProcess
+from support.serving import ServeProcess
 
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2

@@ -20,7 +20,7 @@ from itertools import pairwise
 
 import grpc
 import pytest
-from fpm_helpers import (
+from support.fpm_helpers import (
     HEARTBEAT,
     STEP,
     RelayPublisher,
@@ -29,7 +29,7 @@ from fpm_helpers import (
     relay_endpoint,
     request,
 )
-from serving import BIN, ServeProcess
+from support.serving import BIN, ServeProcess
 
 from enginectl.client import AsyncClient, InvalidArgumentError, OutOfRangeError, Reason
 from enginectl.client.errors import from_rpc_error

@@ -48,16 +48,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fuzz_calls import METHODS, SERVICES, rpc_name
-from fuzz_checker import Fuzzer
-from fuzz_fodder import make_fodder, read_safetensors
-from fuzz_requests import describe
 from google.protobuf import descriptor as _descriptor
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
-from serving import ServeProcess
+from support.fuzz.calls import METHODS, SERVICES, rpc_name
+from support.fuzz.checker import Fuzzer
+from support.fuzz.fodder import make_fodder, read_safetensors
+from support.fuzz.requests import describe
+from support.serving import ServeProcess
 
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 

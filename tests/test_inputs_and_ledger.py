@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import pytest
 from google.longrunning import operations_pb2, operations_pb2_grpc
-from serving import ServeProcess
+from support.serving import ServeProcess
 
 from enginectl.client import (
     AbortedError,

@@ -21,12 +21,12 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from engine_double import EngineDouble, LoadScript
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-from serving import ServeProcess
-from weight_update_fixtures import Stubs, stubs  # noqa: F401
-from weights_fixtures import Checkpoints
+from support.engine_double import EngineDouble, LoadScript
+from support.serving import ServeProcess
+from support.weight_updates import Stubs, stubs  # noqa: F401
+from support.weights import Checkpoints
 
 from enginectl.common.vocabulary import WeightSource
 from enginectl.contract.engine import Cause, RankFailure, RankIdentity

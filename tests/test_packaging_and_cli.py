@@ -12,7 +12,7 @@ import venv
 from pathlib import Path
 
 import pytest
-from serving import BIN, ServeProcess
+from support.serving import BIN, ServeProcess
 
 from enginectl.client import ChannelConfig, Client
 from enginectl.client.client import ChannelOptions

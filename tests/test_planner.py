@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
-from fpm_helpers import CuttableProxy, RelayPublisher, frames, relay_endpoint, request
 from google.protobuf import duration_pb2
-from serving import ServeProcess, alive
+from support.fpm_helpers import CuttableProxy, RelayPublisher, frames, relay_endpoint, request
+from support.serving import ServeProcess, alive
 
 from enginectl.client import Planner, PlannerThread, Reason, Verdict
 from enginectl.client.errors import from_rpc_error

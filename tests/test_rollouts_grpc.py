@@ -23,17 +23,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from serving import BIN, ServeProcess
 from smg_grpc_proto import vllm_engine_pb2 as vpb2
 from smg_grpc_proto import vllm_engine_pb2_grpc as vpb2_grpc
-from weight_update_fixtures import (  # noqa: F401
+from support.serving import BIN, ServeProcess
+from support.weight_updates import (  # noqa: F401
     Stubs,
     back_to_a,
     stubs,
     tokens_a,
     tokens_b,
 )
-from weights_fixtures import PROMPT, Checkpoints, greedy_tokens
+from support.weights import PROMPT, Checkpoints, greedy_tokens
 
 from enginectl.client import GenerationVersions, generation_versions
 from enginectl.weights.v1 import weight_update_service_pb2 as upb

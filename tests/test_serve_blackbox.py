@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from serving import BIN, ServeProcess, alive
+from support.serving import BIN, ServeProcess, alive
 
 TOKEN = "s3cret-token-for-tests"
 SERVICES = {

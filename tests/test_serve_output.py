@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serving import ServeProcess
+from support.serving import ServeProcess
 
 from enginectl.server.default_model import (
     KV_CACHE_CAP_BYTES,

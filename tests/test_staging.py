@@ -21,8 +21,8 @@ from typing import Any
 
 import grpc
 import pytest
-from serving import ServeProcess
-from weight_update_fixtures import (  # noqa: F401
+from support.serving import ServeProcess
+from support.weight_updates import (  # noqa: F401
     Stubs,
     back_to_a,
     error_info,
@@ -30,7 +30,7 @@ from weight_update_fixtures import (  # noqa: F401
     tokens_a,
     tokens_b,
 )
-from weights_fixtures import Checkpoints, greedy_tokens
+from support.weights import Checkpoints, greedy_tokens
 
 from enginectl.client import NotFoundError, Reason, TrainerClient
 from enginectl.client.trainer_tensors import chunks, tensor_spec

@@ -25,8 +25,8 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from serving import ServeProcess
-from weights_fixtures import Checkpoints, checkpoints, weights_server  # noqa: F401
+from support.serving import ServeProcess
+from support.weights import Checkpoints, checkpoints, weights_server  # noqa: F401
 
 from enginectl.client import TrainerClient
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 import pytest
-from serving import ServeProcess
-from weights_fixtures import Checkpoints, checkpoints, greedy_tokens, weights_server  # noqa: F401
+from support.serving import ServeProcess
+from support.weights import Checkpoints, checkpoints, greedy_tokens, weights_server  # noqa: F401
 
 from enginectl.client import (
     AsyncTrainerClient,
@@ -36,7 +36,7 @@ from enginectl.client.errors import from_rpc_error
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
-TRAINER = Path(__file__).with_name("trainer_proc.py")
+TRAINER = Path(__file__).resolve().parent / "support" / "trainer_proc.py"
 PROC_TIMEOUT_S = 240.0
 
 

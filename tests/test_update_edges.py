@@ -23,9 +23,9 @@ import grpc
 import pytest
 from google.longrunning import operations_pb2
 from google.protobuf import duration_pb2
-from serving import ServeProcess
-from weight_update_fixtures import Stubs, error_info
-from weights_fixtures import Checkpoints, checkpoints, weights_server  # noqa: F401
+from support.serving import ServeProcess
+from support.weight_updates import Stubs, error_info
+from support.weights import Checkpoints, checkpoints, weights_server  # noqa: F401
 
 from enginectl.client import TrainerClient
 from enginectl.weights.v1 import weight_update_service_pb2 as upb

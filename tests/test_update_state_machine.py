@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from engine_double import EngineDouble, LoadScript
 from google.rpc import error_details_pb2
+from support.engine_double import EngineDouble, LoadScript
 
 from enginectl.common.vocabulary import Reason, WeightSource
 from enginectl.contract.engine import Cause

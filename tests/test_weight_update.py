@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 import pytest
 from google.longrunning import operations_pb2
-from serving import BIN, ServeProcess
-from weight_update_fixtures import (  # noqa: F401
+from support.serving import BIN, ServeProcess
+from support.weight_updates import (  # noqa: F401
     Stubs,
     back_to_a,
     error_info,
@@ -29,7 +29,7 @@ from weight_update_fixtures import (  # noqa: F401
     tokens_a,
     tokens_b,
 )
-from weights_fixtures import Checkpoints, greedy_tokens
+from support.weights import Checkpoints, greedy_tokens
 
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_pb2 as wv

@@ -14,15 +14,15 @@ import urllib.request
 
 import grpc
 import pytest
-from serving import ServeProcess
-from weight_update_fixtures import (  # noqa: F401
+from support.serving import ServeProcess
+from support.weight_updates import (  # noqa: F401
     Stubs,
     back_to_a,
     error_info,
     stubs,
     tokens_a,
 )
-from weights_fixtures import Checkpoints, greedy_tokens
+from support.weights import Checkpoints, greedy_tokens
 
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 

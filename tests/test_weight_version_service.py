@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from serving import ServeProcess
+from support.serving import ServeProcess
 
 from enginectl.client import (
     AbortedError,

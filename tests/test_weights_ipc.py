@@ -30,8 +30,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from serving import ServeProcess
-from weight_update_fixtures import (  # noqa: F401
+from support.serving import ServeProcess
+from support.weight_updates import (  # noqa: F401
     Stubs,
     back_to_a,
     error_info,
@@ -39,7 +39,7 @@ from weight_update_fixtures import (  # noqa: F401
     tokens_a,
     tokens_b,
 )
-from weights_fixtures import Checkpoints, greedy_tokens
+from support.weights import Checkpoints, greedy_tokens
 
 from enginectl.client import InvalidArgumentError, Reason, TrainerClient, WeightSource
 from enginectl.client.trainer_ipc import ipc_request, is_local_target

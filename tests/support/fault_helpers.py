@@ -1,4 +1,4 @@
-"""Helpers for tests/test_faults.py: child processes of tests/fault_procs.py (`Child`), blocking
+"""Helpers for tests/test_faults.py: child processes of tests/support/fault_procs.py (`Child`), blocking
 stubs with Operation polling (`Stubs`), the failure each fault must end in and what it must
 leave behind (rule 6 of weight_update_service.proto: `assert_unchanged` before writing
 began, `assert_partial` after, `assert_recovers` once an update succeeds), and readers of
@@ -28,8 +28,6 @@ import pytest
 from google.longrunning import operations_pb2
 from google.protobuf import duration_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from serving import ServeProcess
-from weights_fixtures import Checkpoints, WeightStubs, greedy_tokens
 
 from enginectl.client.errors import EnginectlError, from_rpc_error, from_status
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
@@ -37,6 +35,8 @@ from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as fpm_svc
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as fpm_grpc
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_pb2 as wv
+from support.serving import ServeProcess
+from support.weights import Checkpoints, WeightStubs, greedy_tokens
 
 FAULT_PROCS = Path(__file__).with_name("fault_procs.py")
 UPDATE_TIMEOUT_S = 5.0  # short `timeout` of the broadcasts a trainer dies in
@@ -56,7 +56,7 @@ CAUSE_CODES = {
 
 
 class Child:
-    """A tests/fault_procs.py child: `line()` reads the next JSON line it printed."""
+    """A tests/support/fault_procs.py child: `line()` reads the next JSON line it printed."""
 
     def __init__(self, *args: str) -> None:
         self.mode = args[0]

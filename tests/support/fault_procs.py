@@ -1,7 +1,7 @@
 """Child processes for tests/test_faults.py: clients the test kills, stalls or releases at a
 known point.
 
-Runs as `python tests/fault_procs.py MODE ARGS...`. Each mode prints one JSON line (flushed)
+Runs as `python tests/support/fault_procs.py MODE ARGS...`. Each mode prints one JSON line (flushed)
 per point it reaches, so the test acts on a known point (a kill lands after that line):
 
 - `stream TARGET FILE REQUEST_ID VERSION SEND_BYTES`: UpdateWeightsFromTensors of every
@@ -90,7 +90,7 @@ def broadcast(target: str, file: str, group: str, version: str, count: int, time
     tensors = load_file(file)
     client = TrainerClient(target)
     client.init_weights_update_group(group, timeout=60.0)
-    # One collective per tensor: exactly `count` tensors go (tests/trainer_proc.py breaks a
+    # One collective per tensor: exactly `count` tensors go (tests/support/trainer_proc.py breaks a
     # bucketed broadcast part way).
     started = client.start_broadcast(tensors, version, group_name=group, timeout=timeout, bucket_bytes=0)
     if count:

@@ -1,6 +1,6 @@
 """A trainer as a separate process, for tests: broadcasts a checkpoint through a gloo group.
 
-Runs as `python tests/trainer_proc.py TARGET FILE VERSION MODE [TIMEOUT]`, using only
+Runs as `python tests/support/trainer_proc.py TARGET FILE VERSION MODE [TIMEOUT]`, using only
 `enginectl.client` (TrainerClient): creates the update group with the server, then
 - MODE `full`: broadcasts every tensor of FILE, prints the result as one JSON line, destroys
   the group, exits 0;

@@ -20,11 +20,11 @@ import pytest
 from google.longrunning import operations_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from serving import ServeProcess
-from weights_fixtures import Checkpoints, WeightStubs, greedy_tokens
 
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
+from support.serving import ServeProcess
+from support.weights import Checkpoints, WeightStubs, greedy_tokens
 
 
 class Stubs(WeightStubs):

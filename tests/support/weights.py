@@ -29,13 +29,13 @@ from typing import Any
 import grpc
 import pytest
 from google.longrunning import operations_pb2_grpc
-from serving import ServeProcess, alive
 
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as upb_grpc
 from enginectl.weights.v1 import weight_version_pb2 as wv
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 from enginectl.weights.v1 import weight_version_service_pb2_grpc as vpb_grpc
+from support.serving import ServeProcess, alive
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 B_SEED = 1

@@ -17,15 +17,6 @@ from types import ModuleType
 from typing import Any
 
 import grpc
-from fuzz_requests import CANCEL, serialize, until_cancel
-from fuzz_strategies import (
-    NEVER_ACCEPTED_S,
-    OPERATION_BUDGET_S,
-    STREAM_MAX_MESSAGES,
-    STREAM_WINDOW_S,
-    TRAILER_BUDGET,
-    UNARY_DEADLINE_S,
-)
 from google.longrunning import operations_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf.message import Message
@@ -33,12 +24,21 @@ from google.protobuf.message_factory import GetMessageClass
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
-from serving import ServeProcess
 
 from enginectl.client.errors import DOMAIN, Reason
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_pb2 as wv
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
+from support.fuzz.requests import CANCEL, serialize, until_cancel
+from support.fuzz.strategies import (
+    NEVER_ACCEPTED_S,
+    OPERATION_BUDGET_S,
+    STREAM_MAX_MESSAGES,
+    STREAM_WINDOW_S,
+    TRAILER_BUDGET,
+    UNARY_DEADLINE_S,
+)
+from support.serving import ServeProcess
 
 # --- what is fuzzed ---------------------------------------------------------------------
 
@@ -96,7 +96,7 @@ class Outcome:
 class FuzzCalls:
     """The fuzzer's connection to its server: direct reads around every fuzzed call, and the
     fuzzed calls themselves, each turned into an Outcome once its error passed the error
-    contract. The fields are the Fuzzer's (fuzz_checker.py), which adds strategies and checks."""
+    contract. The fields are the Fuzzer's (checker.py), which adds strategies and checks."""
 
     server: ServeProcess
     paths: list[str]

@@ -1,6 +1,6 @@
 """The fuzzer of tests/test_fuzz.py: the requests it draws for each RPC (from the message
 builder, the model's own tensors and stream chunks) and what it checks after every call: the
-error contract (fuzz_calls.py), the WeightVersion resource and generation state as the rules
+error contract (calls.py), the WeightVersion resource and generation state as the rules
 of weight_update_service.proto say, and a few promises about single fields
 (`_postconditions`, `_check_resource`)."""
 
@@ -12,29 +12,6 @@ import time
 from typing import Any
 
 import grpc
-from fuzz_calls import FuzzCalls, Outcome, rpc_name
-from fuzz_fodder import DTYPE_CODES
-from fuzz_requests import (
-    CANCEL,
-    HINTS,
-    MASTER_ADDRESSES,
-    REQUIRED_PRESENT,
-    MessageBuilder,
-    RawRequest,
-    find_string_field,
-    parse_request,
-    raw_requests,
-)
-from fuzz_strategies import (
-    INT32,
-    INT64,
-    MAX_FUZZ_TIMEOUT_NS,
-    NEVER_ACCEPTED_S,
-    UINT64,
-    UNARY_DEADLINE_S,
-    edge_ints,
-    weighted,
-)
 from google.longrunning import operations_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2, text_format
@@ -47,6 +24,29 @@ from enginectl.client.errors import Reason
 from enginectl.server.interceptors import is_read_only
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_pb2 as wv
+from support.fuzz.calls import FuzzCalls, Outcome, rpc_name
+from support.fuzz.fodder import DTYPE_CODES
+from support.fuzz.requests import (
+    CANCEL,
+    HINTS,
+    MASTER_ADDRESSES,
+    REQUIRED_PRESENT,
+    MessageBuilder,
+    RawRequest,
+    find_string_field,
+    parse_request,
+    raw_requests,
+)
+from support.fuzz.strategies import (
+    INT32,
+    INT64,
+    MAX_FUZZ_TIMEOUT_NS,
+    NEVER_ACCEPTED_S,
+    UINT64,
+    UNARY_DEADLINE_S,
+    edge_ints,
+    weighted,
+)
 
 
 class Fuzzer(FuzzCalls):

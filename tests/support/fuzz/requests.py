@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fuzz_strategies import BYTES, INT32, INT64, SCALARS, STRINGS, durations, edge_ints, short_durations, weighted
 from google.longrunning import operations_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2, text_format
@@ -21,9 +20,20 @@ from hypothesis import strategies as st
 from enginectl.fpm.v1 import fpm_identity_service_pb2 as fpb
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
+from support.fuzz.strategies import (
+    BYTES,
+    INT32,
+    INT64,
+    SCALARS,
+    STRINGS,
+    durations,
+    edge_ints,
+    short_durations,
+    weighted,
+)
 
 if TYPE_CHECKING:
-    from fuzz_checker import Fuzzer
+    from support.fuzz.checker import Fuzzer
 
 # --- requests from descriptors ------------------------------------------------------------
 
