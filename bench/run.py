@@ -3,7 +3,7 @@
 bench/results/.
 
 Runs in its own process, which only orchestrates: servers and load generators are separate
-subprocesses (see bench/harness.py, and bench/lib/procs.py, servers.py, clients.py).
+subprocesses (see bench/lib/: harness.py, procs.py, servers.py, clients.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from bench.fleet import phase as fleet
 from bench.fpm import phase as fpm
 from bench.fpm import publish as fpm_publish
-from bench.harness import ServeProcess
+from bench.lib.harness import ServeProcess
 from bench.lib.procs import (
     HTTP_STARTUP_LINE,
     Worker,

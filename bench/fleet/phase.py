@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import ServeProcess
 from bench.lib.checkpoints import checkpoints
+from bench.lib.harness import ServeProcess
 from bench.lib.progress import log
 from bench.lib.stats import median_ms
 

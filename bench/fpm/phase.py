@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from bench.harness import ServeProcess
+from bench.lib.harness import ServeProcess
 from bench.lib.procs import Worker, rollout_driver
 from bench.lib.progress import log
 

@@ -1,4 +1,4 @@
-"""Subprocesses of the benchmark: servers (bench/harness.py's ServeProcess) and load generators.
+"""Subprocesses of the benchmark: servers (bench/lib/harness.py's ServeProcess) and load generators.
 
 Runs in the `python -m bench` process. A server is ready once it prints a JSON line whose
 `event` is `serving` (enginectl's structlog line, or bench.lib.servers' own); no sleeps. `stop()`
@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.harness import ServeProcess, base_env, serve_command
+from bench.lib.harness import ServeProcess, base_env, serve_command
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.harness import ServeProcess
+from bench.lib.harness import ServeProcess
 from bench.lib.procs import rollout_driver
 from bench.lib.progress import log
 from bench.lib.stats import ratio, summarize_ms

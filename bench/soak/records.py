@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 
-from bench.harness import ServeProcess
+from bench.lib.harness import ServeProcess
 from enginectl.client import EnginectlError, WeightVersion
 
 WORKER_ID = "soak"

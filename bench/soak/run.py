@@ -44,7 +44,7 @@ from typing import Any
 
 import psutil
 
-from bench.harness import ServeProcess
+from bench.lib.harness import ServeProcess
 from bench.lib.procs import HTTP_STARTUP_LINE, Worker, enginectl_server, wait_http_ready
 from bench.lib.progress import log
 from bench.lib.provenance import machine_info, repo_info

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import ServeProcess
+from bench.lib.harness import ServeProcess
 from bench.lib.progress import log
 from bench.lib.stats import median_ms
 

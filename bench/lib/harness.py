@@ -6,7 +6,7 @@ whose `event` is `serving`; nobody sleeps. Its output is drained by a thread: un
 by line, then in large chunks (enginectl logs one line per RPC, and a slow reader would stall the
 server on a full pipe), counting lines and keeping a tail for error reports. With `keep_lines`
 (the tests) every line is kept too, so that `events()` and `wait_for_event()` can read enginectl's
-own JSON log. Used from tests/serving.py (which fails the test instead of raising) and bench/.
+own JSON log. Used from tests/support/serving.py (which fails the test instead of raising) and bench/.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class ServeProcess:
         self._children: list[psutil.Process] = []
 
     def fail(self, message: str) -> NoReturn:
-        """How a failed wait ends; tests/serving.py fails the test instead."""
+        """How a failed wait ends; tests/support/serving.py fails the test instead."""
         raise ServeError(message)
 
     # -- output -------------------------------------------------------------------------------
