@@ -11,8 +11,8 @@ from typing import NoReturn
 
 import pytest
 
-from bench import harness
-from bench.harness import BIN, EXIT_TIMEOUT_S, READY_TIMEOUT_S, alive, base_env
+from bench.lib import harness
+from bench.lib.harness import BIN, EXIT_TIMEOUT_S, READY_TIMEOUT_S, alive, base_env
 
 __all__ = ["BIN", "EXIT_TIMEOUT_S", "READY_TIMEOUT_S", "ServeProcess", "alive", "base_env"]
 
