@@ -108,6 +108,27 @@ class ChannelConfig:
         return grpc.secure_channel(self.target, creds, options=options)
 
 
+class Connection:
+    """One server's channel, shared by a client and the helpers it holds: every unary call on
+    it goes through `unary`, with the config's deadline and bearer token, and fails as an
+    EnginectlError carrying the server's reason."""
+
+    def __init__(self, config: ChannelConfig) -> None:
+        self.config = config
+        self.channel = config.aio_channel()
+
+    async def unary(self, method: Callable[..., Any], request: Message, timeout: float | None) -> Any:
+        """`method` (a stub's unary call) with `request`; `timeout` None: the config's."""
+        try:
+            return await method(request, timeout=timeout or self.config.timeout, metadata=self.config.metadata())
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def close(self) -> None:
+        """Close the channel (calls in flight end with CANCELLED)."""
+        await self.channel.close()
+
+
 def _set_request(version: str, etag: str | None, request_id: str | None) -> wv_pb2.SetWeightVersionRequest:
     return wv_pb2.SetWeightVersionRequest(version=version, etag=etag or "", request_id=request_id or str(uuid.uuid4()))
 
@@ -132,13 +153,17 @@ def _watch_request(since_revision: int | None, incarnation: str | None) -> wv_pb
 
 
 class AsyncClient:
-    """asyncio client. Use as `async with AsyncClient("host:port") as c: ...`."""
+    """asyncio client. Use as `async with AsyncClient("host:port") as c: ...`.
+
+    `config` is how it reaches the server, `connection` the channel it made (on the loop
+    it was created on), which the trainer, fleet and their helpers call through too.
+    """
 
     def __init__(self, target: str = DEFAULT_TARGET, **config: Unpack[ChannelOptions]) -> None:
         self.config = ChannelConfig(target=target, **config)
-        self._channel = self.config.aio_channel()
-        self._versions = wv_grpc.WeightVersionServiceStub(self._channel)
-        self._identity = id_grpc.FpmIdentityServiceStub(self._channel)
+        self.connection = Connection(self.config)
+        self._versions = wv_grpc.WeightVersionServiceStub(self.connection.channel)
+        self._identity = id_grpc.FpmIdentityServiceStub(self.connection.channel)
 
     async def __aenter__(self) -> Self:
         return self
@@ -148,17 +173,13 @@ class AsyncClient:
 
     async def close(self) -> None:
         """Close the channel (calls in flight end with CANCELLED)."""
-        await self._channel.close()
-
-    async def _unary(self, method: Callable[..., Any], request: Message, timeout: float | None) -> Any:
-        try:
-            return await method(request, timeout=timeout or self.config.timeout, metadata=self.config.metadata())
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err) from None
+        await self.connection.close()
 
     async def get_weight_version(self, *, timeout: float | None = None) -> WeightVersion:
         """The WeightVersion resource (no engine round trip on the server)."""
-        response = await self._unary(self._versions.GetWeightVersion, wv_pb2.GetWeightVersionRequest(), timeout)
+        response = await self.connection.unary(
+            self._versions.GetWeightVersion, wv_pb2.GetWeightVersionRequest(), timeout
+        )
         return WeightVersion.from_proto(response.weight_version)
 
     async def set_weight_version(
@@ -175,7 +196,9 @@ class AsyncClient:
         whose `current_etag` is the etag to retry with once the caller has decided to).
         A `request_id` (a UUID; one is generated when omitted) makes retries idempotent.
         """
-        response = await self._unary(self._versions.SetWeightVersion, _set_request(version, etag, request_id), timeout)
+        response = await self.connection.unary(
+            self._versions.SetWeightVersion, _set_request(version, etag, request_id), timeout
+        )
         return WeightVersion.from_proto(response.weight_version)
 
     async def watch_weight_version(
@@ -211,7 +234,7 @@ class AsyncClient:
         """Ask every rank's EngineCore for the identity it holds now (GetWorkerIdentity);
         `rank_timeout` bounds each rank's answer (server default 5 s, at most 300 s)."""
         request = id_pb2.GetWorkerIdentityRequest(timeout=_rank_timeout(rank_timeout))
-        response = await self._unary(
+        response = await self.connection.unary(
             self._identity.GetWorkerIdentity, request, self._identity_deadline(rank_timeout, timeout)
         )
         return WorkerIdentity(_ranks(response.ranks), response.consistent, response.await_worker_id)
@@ -224,7 +247,7 @@ class AsyncClient:
         id every rank already holds changes nothing (a safe retry). Raises IDENTITY_SYNC_FAILED
         with `failed_ranks`/`acked_ranks` in the error's metadata when a rank did not ack."""
         request = id_pb2.SetWorkerIdentityRequest(worker_id=worker_id, timeout=_rank_timeout(rank_timeout))
-        response = await self._unary(
+        response = await self.connection.unary(
             self._identity.SetWorkerIdentity, request, self._identity_deadline(rank_timeout, timeout)
         )
         return IdentityAcks(_ranks(response.ranks))

@@ -44,7 +44,7 @@ from enginectl.client.fleet_types import (
     ServerOutcome,
     ServerStatus,
 )
-from enginectl.client.planner import Planner, PlannerThread, RankState
+from enginectl.client.planner import Planner, PlannerThread, RankState, latest_ranks
 from enginectl.client.progress import FleetProgress
 from enginectl.client.trainer import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, AsyncTrainerClient
 from enginectl.client.trainer_operations import POLL_S
@@ -53,6 +53,7 @@ from enginectl.client.trainer_tensors import BACKENDS, BroadcastGroup, TensorSou
 from enginectl.client.trainer_types import StagedWeights, UpdateOperation, UpdateResult, Verification
 from enginectl.common.buckets import cut
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
 T = TypeVar("T")
 FLEET_GROUP = "enginectl-fleet"
@@ -67,6 +68,9 @@ class AsyncFleet:
             raise ValueError("a fleet needs one or more distinct targets")
         self.targets = list(targets)
         self.clients = {t: AsyncTrainerClient(t, **config) for t in self.targets}
+        # The fleet's own calls (health, a fleet-wide group), on each client's connection.
+        self._updates = {t: pb2_grpc.WeightUpdateServiceStub(c.connection.channel) for t, c in self.clients.items()}
+        self._health = {t: health_pb2_grpc.HealthStub(c.connection.channel) for t, c in self.clients.items()}
         self.last_stage: FleetStage | None = None
         self.last_commit: FleetCommit | None = None
         self._group: BroadcastGroup | None = None
@@ -105,12 +109,11 @@ class AsyncFleet:
         if isinstance(planner, Planner):
             latest = planner.fleet.latest()
         elif isinstance(planner, PlannerThread):
-            loop, inner = planner._started()
-            latest = await asyncio.to_thread(loop.call, inner.fleet.latest)
+            latest = await asyncio.to_thread(latest_ranks, planner)
 
         async def read(target: str, client: AsyncTrainerClient) -> ServerStatus:
-            health = health_pb2_grpc.HealthStub(client._channel)
-            checked = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=client.config.timeout)
+            request = health_pb2.HealthCheckRequest(service="")
+            checked = await self._health[target].Check(request, timeout=client.config.timeout)
             version, generation = await asyncio.gather(client.get_weight_version(), client.generation_state())
             ranks = tuple(RankStatus(r.dp_rank, r.worker_id, r.age_s) for r in latest if r.endpoint == target)
             serving = checked.status == health_pb2.HealthCheckResponse.SERVING
@@ -191,7 +194,9 @@ class AsyncFleet:
                 backend=BACKENDS[backend],
                 timeout=duration(timeout),
             )
-            return await client._unary(client._updates.InitWeightsUpdateGroup, request, timeout + GRACE_S)
+            return await client.connection.unary(
+                self._updates[target].InitWeightsUpdateGroup, request, timeout + GRACE_S
+            )
 
         joining = asyncio.ensure_future(asyncio.to_thread(group.join))
         joined = await self._each(join)
@@ -229,10 +234,9 @@ class AsyncFleet:
         if timeout is not None:
             request.timeout.CopyFrom(duration(timeout))
 
-        async def start(_: str, client: AsyncTrainerClient) -> UpdateOperation:
-            return UpdateOperation.from_proto(
-                await client._unary(client._updates.UpdateWeightsFromDistributed, request, None)
-            )
+        async def start(target: str, client: AsyncTrainerClient) -> UpdateOperation:
+            started = await client.connection.unary(self._updates[target].UpdateWeightsFromDistributed, request, None)
+            return UpdateOperation.from_proto(started)
 
         etags = await self._etags()
         started = await self._each(start)

@@ -424,3 +424,10 @@ class PlannerThread:
                 self._loop.run(self.planner.close(), 30)
         finally:
             self._loop.close()
+
+
+def latest_ranks(planner: PlannerThread) -> list[RankState]:
+    """The latest sample of every rank `planner` follows, read on its loop (a consistent view);
+    blocks until it is read (Fleet.status calls it off its own loop)."""
+    loop, inner = planner._started()
+    return loop.call(inner.fleet.latest)

@@ -1,6 +1,9 @@
-"""A broadcast update in flight: `AsyncBroadcast` and its blocking view `Broadcast`.
+"""Broadcast updates: the trainer's update groups, and a broadcast update in flight.
 
-Runs in the trainer process; made by `AsyncTrainerClient.start_broadcast` (client/trainer.py).
+Runs in the trainer process. `BroadcastUpdates` holds the trainer's groups by name and starts
+the updates broadcast through them; AsyncTrainerClient (client/trainer.py) holds one and
+forwards its group and broadcast methods to it. `AsyncBroadcast` (and its blocking view
+`Broadcast`) is one such update in flight.
 """
 
 from __future__ import annotations
@@ -10,13 +13,25 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from enginectl.client._sync import LoopThread, blocking
-from enginectl.client.trainer_requests import UpdateOptions
-from enginectl.client.trainer_tensors import BroadcastGroup
-from enginectl.client.trainer_types import UpdateOperation, UpdateResult
+from enginectl.client.trainer_operations import require_done
+from enginectl.client.trainer_requests import GRACE_S, UpdateOptions, duration
+from enginectl.client.trainer_tensors import (
+    BACKENDS,
+    DEFAULT_BUCKET_BYTES,
+    BroadcastGroup,
+    TensorSource,
+    named_tensors,
+    tensor_spec,
+)
+from enginectl.client.trainer_types import UpdateOperation, UpdateResult, WeightsUpdateGroup
 from enginectl.common.buckets import cut
+from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 if TYPE_CHECKING:
     from enginectl.client.trainer import AsyncTrainerClient
+    from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
+
+DEFAULT_GROUP = "enginectl-trainer"
 
 
 class AsyncBroadcast:
@@ -57,7 +72,7 @@ class AsyncBroadcast:
         end = self.sent + (self.remaining if count is None else count)
         batch = [b for b in self._buckets if b.start >= self.sent and b.start < end]
         sending = asyncio.ensure_future(asyncio.to_thread(self.group.broadcast, self._tensors, batch, self._stop))
-        ended = asyncio.ensure_future(self.client._await_done(self.name, None, None))
+        ended = asyncio.ensure_future(self.client.wait_operation(self.name))
         try:
             await asyncio.wait({sending, ended}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -65,7 +80,7 @@ class AsyncBroadcast:
         if not sending.done():
             # The server gave up on the broadcast: this group's collectives can not be trusted.
             self._stop.set()
-            self.client._forget_group(self.group.name, "the update ended while broadcasting")
+            self.group.abandon("the update ended while broadcasting")
             sending.add_done_callback(lambda f: f.exception())
             op = ended.result()
             if op.error is not None:
@@ -74,10 +89,10 @@ class AsyncBroadcast:
         try:
             self.sent += sending.result()
         except Exception:
-            self.client._forget_group(self.group.name, self.group.broken)
+            self.group.abandon(self.group.broken)
             # The peers went away because the server ended the update (cancel, timeout, a
             # failed load): its error says why, better than gloo's "connection closed".
-            op = await self.client._await_done(self.name, 30.0, None)
+            op = await self.client.wait_operation(self.name, 30.0)
             if op.done and op.error is not None:
                 raise op.error from None
             raise
@@ -86,7 +101,7 @@ class AsyncBroadcast:
     async def wait(self, timeout: float | None = None) -> UpdateResult:
         """Wait for the Operation; its result, or its error raised."""
         bound = timeout if timeout is not None else self.options.wait_bound()
-        return (await self.client._await_operation(self.name, bound, self.progress)).result()
+        return require_done(await self.client.wait_operation(self.name, bound, progress=self.progress), bound).result()
 
 
 class Broadcast:
@@ -114,3 +129,151 @@ class Broadcast:
 
     send = blocking(AsyncBroadcast.send)
     wait = blocking(AsyncBroadcast.wait)
+
+
+class BroadcastUpdates:
+    """The trainer's update groups (rank 0 of each, by name) and the broadcast updates sent
+    through them. A group whose broadcast failed or was cut short is abandoned: it is gone."""
+
+    def __init__(self, client: AsyncTrainerClient, stub: pb2_grpc.WeightUpdateServiceStub) -> None:
+        self._client, self._connection, self._stub = client, client.connection, stub
+        self._groups: dict[str, BroadcastGroup] = {}
+
+    def close(self) -> None:
+        """Close every group."""
+        for group in self._groups.values():
+            group.close()
+        self._groups.clear()
+
+    def _usable(self, name: str) -> BroadcastGroup | None:
+        group = self._groups.get(name)
+        if group is not None and group.broken:
+            del self._groups[name]
+            return None
+        return group
+
+    async def init_weights_update_group(
+        self,
+        group_name: str = DEFAULT_GROUP,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        *,
+        backend: str = "gloo",
+        rank_offset: int = 1,
+        world_size: int | None = None,
+        timeout: float = 60.0,
+    ) -> WeightsUpdateGroup:
+        """Create the private group `group_name` with the server: this process is rank 0 and
+        hosts its TCPStore at master_address:master_port (0: a free port); the engine's
+        workers join as ranks rank_offset.. . Returns once every member joined."""
+        if world_size is None:
+            world_size = rank_offset + (await self._client.get_server_info()).num_workers
+        group = await asyncio.to_thread(
+            BroadcastGroup.host, group_name, backend, master_address, master_port, world_size, timeout
+        )
+        request = pb2.InitWeightsUpdateGroupRequest(
+            group_name=group_name,
+            master_address=master_address,
+            master_port=group.port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            backend=BACKENDS[backend],
+            timeout=duration(timeout),
+        )
+        joining = asyncio.ensure_future(asyncio.to_thread(group.join))
+        calling = asyncio.ensure_future(
+            self._connection.unary(self._stub.InitWeightsUpdateGroup, request, timeout + GRACE_S)
+        )
+        await asyncio.wait({joining, calling}, return_when=asyncio.FIRST_EXCEPTION)
+        if calling.done() and calling.exception() is not None or joining.done() and joining.exception() is not None:
+            # The server's answer says best what went wrong; a join left blocked ends at its timeout.
+            joining.add_done_callback(lambda f: f.exception())
+            group.close()
+            await calling  # raises the server's error if it has one
+            await joining
+        response = await calling
+        await joining
+        self._groups[group_name] = group
+        g = response.group
+        return WeightsUpdateGroup(
+            g.group_name, backend, g.master_address, g.master_port, g.world_size, g.rank_offset, g.num_engine_ranks
+        )
+
+    async def destroy_weights_update_group(
+        self, group_name: str = DEFAULT_GROUP, *, allow_missing: bool = False, timeout: float | None = None
+    ) -> bool:
+        """Destroy the group on the server and locally; False when the server had none
+        (with `allow_missing`)."""
+        group = self._groups.pop(group_name, None)
+        if group is not None:
+            group.abandon("destroyed")
+        response = await self._connection.unary(
+            self._stub.DestroyWeightsUpdateGroup,
+            pb2.DestroyWeightsUpdateGroupRequest(group_name=group_name, allow_missing=allow_missing),
+            timeout,
+        )
+        return bool(response.found)
+
+    async def start_broadcast(
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        group_name: str = DEFAULT_GROUP,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        progress: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        stage_only: bool = False,
+    ) -> AsyncBroadcast:
+        """Start UpdateWeightsFromDistributed for `tensors` (in their order); broadcast them
+        with `send()` and wait with `wait()`. broadcast_weights does all three. Tensors of at
+        most `bucket_bytes` go packed in buckets, one collective each (0: one per tensor).
+        `stage_only`: the engine stages them (see stage_broadcast_weights)."""
+        group = self._usable(group_name)
+        if group is None:
+            raise ValueError(f"no local group {group_name!r}: call init_weights_update_group first")
+        named = named_tensors(tensors, group.device)
+        options = UpdateOptions(version, etag, request_id, pause_mode, reset_prefix_cache, timeout, stage_only)
+        request = options.fill(
+            pb2.UpdateWeightsFromDistributedRequest(
+                group_name=group_name, tensors=[tensor_spec(n, t) for n, t in named], bucket_bytes=bucket_bytes
+            )
+        )
+        started = await self._connection.unary(self._stub.UpdateWeightsFromDistributed, request, None)
+        op = UpdateOperation.from_proto(started)
+        return AsyncBroadcast(self._client, group, op, [t for _, t in named], options, progress, bucket_bytes)
+
+    async def broadcast_weights(
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        group_name: str = DEFAULT_GROUP,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        progress: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> UpdateResult:
+        """Broadcast `tensors` (nn.Module, state dict or pairs; checkpoint names) through the
+        group and declare `version` on success; returns the UpdateResult or raises."""
+        broadcast = await self.start_broadcast(
+            tensors,
+            version,
+            group_name=group_name,
+            etag=etag,
+            request_id=request_id,
+            pause_mode=pause_mode,
+            reset_prefix_cache=reset_prefix_cache,
+            timeout=timeout,
+            progress=progress,
+            bucket_bytes=bucket_bytes,
+        )
+        await broadcast.send()
+        return await broadcast.wait()

@@ -1,8 +1,9 @@
 """Same-host weight updates by reference: the trainer's side of UpdateWeightsFromIpc.
 
-Runs in the trainer process, for `AsyncTrainerClient.update_weights_from_ipc` and
-`update_weights_from_tensors(..., zero_copy=True)` (client/trainer.py). Each tensor is sent
-as a handle to memory torch shares, never as bytes, and nothing is pickled:
+Runs in the trainer process. `IpcUpdates` is `AsyncTrainerClient.update_weights_from_ipc`
+(forwarded to it) and `update_weights_from_tensors(..., zero_copy=True)` (client/trainer.py).
+Each tensor is sent as a handle to memory torch shares, never as bytes, and nothing is
+pickled:
 
 - a CPU tensor's storage is moved into a POSIX shared-memory segment by torch's "file_system"
   sharing (`untyped_storage()._share_filename_cpu_()`): once, in place, on first use; later
@@ -11,8 +12,8 @@ as a handle to memory torch shares, never as bytes, and nothing is pickled:
   per engine worker, since each worker releases the share it maps.
 
 The engine's workers map the memory and read it while the update runs, so the trainer must
-keep every tensor alive and unchanged until the Operation is done: `update_from_ipc` waits for
-it, and cancels it if the wait itself is cancelled. torch is imported lazily.
+keep every tensor alive and unchanged until the Operation is done: `IpcUpdates` waits for it,
+and cancels it if the wait itself is cancelled. torch is imported lazily.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import ipaddress
 from typing import TYPE_CHECKING, Any
 
 from enginectl.client.errors import FailedPreconditionError, Reason, UnimplementedError
+from enginectl.client.trainer_operations import UpdateOperations
 from enginectl.client.trainer_requests import UpdateOptions
 from enginectl.client.trainer_tensors import TensorSource, named_tensors, tensor_spec
 from enginectl.client.trainer_types import UpdateOperation, UpdateResult
@@ -30,6 +32,7 @@ from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 if TYPE_CHECKING:
     from enginectl.client.trainer import AsyncTrainerClient
+    from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
 
 def is_local_target(target: str) -> bool:
@@ -114,48 +117,74 @@ def _handle(name: str, tensor: Any, num_workers: int) -> pb2.IpcTensorHandle:
     return handle
 
 
-async def update_from_ipc(
-    client: AsyncTrainerClient, tensors: TensorSource, options: UpdateOptions, progress: bool
-) -> UpdateResult:
-    """UpdateWeightsFromIpc for `tensors`, waited for; its UpdateResult, or its error raised."""
-    named = named_tensors(tensors, device=None)  # held until the Operation is done
-    cuda = any(t.device.type == "cuda" for _, t in named)
-    num_workers = (await client.get_server_info()).num_workers if cuda else 0
-    # Off the event loop: the first share of a CPU storage copies it into shared memory.
-    request = options.fill(await asyncio.to_thread(ipc_request, named, num_workers))
-    op = UpdateOperation.from_proto(await client._unary(client._updates.UpdateWeightsFromIpc, request, None))
-    try:
-        done = await client._await_operation(op.name, options.wait_bound(), progress)
-    except BaseException:
-        # The engine may still be reading these tensors: stop it before they can change.
-        await asyncio.shield(_cancel_quietly(client, op.name))
-        raise
-    return done.result()
+class IpcUpdates:
+    """UpdateWeightsFromIpc for one trainer client: the update, waited for, and the zero-copy
+    path of its tensor updates."""
 
+    def __init__(
+        self, client: AsyncTrainerClient, stub: pb2_grpc.WeightUpdateServiceStub, operations: UpdateOperations
+    ) -> None:
+        self._client, self._connection, self._stub = client, client.connection, stub
+        self._operations = operations
 
-async def zero_copy_update(
-    client: AsyncTrainerClient, tensors: TensorSource, options: UpdateOptions, progress: bool, wait: bool
-) -> UpdateResult | None:
-    """update_from_ipc when the server is on this host; None (send the bytes instead) when
-    its target is not local, or when it refuses by-reference updates before starting one
-    (UNIMPLEMENTED: an older server; NOT_SAME_HOST: e.g. a port forwarded into a container).
-    Always waits for the update: `wait` False is a ValueError."""
-    if not wait:
-        raise ValueError("zero_copy waits for the update (the engine reads the tensors until it ends)")
-    if not is_local_target(client.config.target):
-        return None
-    try:
-        return await update_from_ipc(client, tensors, options, progress)
-    except UnimplementedError:
-        return None
-    except FailedPreconditionError as err:
-        if err.reason == Reason.NOT_SAME_HOST:
+    async def update_weights_from_ipc(
+        self,
+        tensors: TensorSource,
+        version: str | None = None,
+        *,
+        etag: str | None = None,
+        request_id: str | None = None,
+        pause_mode: str = "keep",
+        reset_prefix_cache: bool = True,
+        timeout: float | None = None,
+        progress: bool = False,
+    ) -> UpdateResult:
+        """Load CPU or CUDA `tensors` (as update_weights_from_tensors) by reference, for a
+        server on this host: UpdateWeightsFromIpc (trainer_ipc.py). CPU tensors move into
+        shared memory on first use (once, in place). Waits for the update, since the engine
+        reads the tensors until it ends: keep them alive and unchanged until this returns."""
+        options = UpdateOptions(version, etag, request_id, pause_mode, reset_prefix_cache, timeout)
+        return await self.update(tensors, options, progress)
+
+    async def update(self, tensors: TensorSource, options: UpdateOptions, progress: bool) -> UpdateResult:
+        """UpdateWeightsFromIpc for `tensors`, waited for; its UpdateResult, or its error raised."""
+        named = named_tensors(tensors, device=None)  # held until the Operation is done
+        cuda = any(t.device.type == "cuda" for _, t in named)
+        num_workers = (await self._client.get_server_info()).num_workers if cuda else 0
+        # Off the event loop: the first share of a CPU storage copies it into shared memory.
+        request = options.fill(await asyncio.to_thread(ipc_request, named, num_workers))
+        started = await self._connection.unary(self._stub.UpdateWeightsFromIpc, request, None)
+        op = UpdateOperation.from_proto(started)
+        try:
+            done = await self._operations.until_done(op.name, options.wait_bound(), progress)
+        except BaseException:
+            # The engine may still be reading these tensors: stop it before they can change.
+            await asyncio.shield(self._cancel_quietly(op.name))
+            raise
+        return done.result()
+
+    async def zero_copy(
+        self, tensors: TensorSource, options: UpdateOptions, progress: bool, wait: bool
+    ) -> UpdateResult | None:
+        """`update` when the server is on this host; None (send the bytes instead) when its
+        target is not local, or when it refuses by-reference updates before starting one
+        (UNIMPLEMENTED: an older server; NOT_SAME_HOST: e.g. a port forwarded into a
+        container). Always waits for the update: `wait` False is a ValueError."""
+        if not wait:
+            raise ValueError("zero_copy waits for the update (the engine reads the tensors until it ends)")
+        if not is_local_target(self._connection.config.target):
             return None
-        raise
+        try:
+            return await self.update(tensors, options, progress)
+        except UnimplementedError:
+            return None
+        except FailedPreconditionError as err:
+            if err.reason == Reason.NOT_SAME_HOST:
+                return None
+            raise
 
-
-async def _cancel_quietly(client: AsyncTrainerClient, name: str) -> None:
-    try:
-        await client.cancel_operation(name)
-    except Exception:  # noqa: BLE001 - best effort: the update's own timeout still bounds it
-        pass
+    async def _cancel_quietly(self, name: str) -> None:
+        try:
+            await self._operations.cancel_operation(name)
+        except Exception:  # noqa: BLE001 - best effort: the update's own timeout still bounds it
+            pass

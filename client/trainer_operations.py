@@ -1,20 +1,19 @@
 """google.longrunning.Operations for the trainer client: read, wait for (with a progress
 bar), and cancel weight-update Operations.
 
-Runs in the trainer process. `AsyncOperationsClient` holds the Operations stub and the
-waiting; AsyncTrainerClient (client/trainer.py) extends it with the update RPCs that start
-the Operations.
+Runs in the trainer process. `UpdateOperations` holds the Operations stub and the waiting;
+AsyncTrainerClient (client/trainer.py) holds one and forwards its `*_operation` methods to
+it, and its other helpers wait for the Operations they start with it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Unpack
 
 import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
 
-from enginectl.client.client import DEFAULT_TARGET, AsyncClient, ChannelOptions
+from enginectl.client.client import Connection
 from enginectl.client.errors import DeadlineExceededError
 from enginectl.client.progress import ProgressBar
 from enginectl.client.trainer_requests import UpdateOptions, duration
@@ -24,17 +23,28 @@ POLL_S = 0.2  # WaitOperation slice while drawing progress
 WAIT_SLICE_S = 60.0  # WaitOperation slice otherwise
 
 
-class AsyncOperationsClient(AsyncClient):
-    """AsyncClient with the Operations of weight updates."""
+def require_done(op: UpdateOperation, timeout: float | None) -> UpdateOperation:
+    """`op`, once waited for `timeout` seconds; DeadlineExceededError if it still runs."""
+    if not op.done:
+        raise DeadlineExceededError(
+            code=grpc.StatusCode.DEADLINE_EXCEEDED,
+            message=f"{op.name} still running after {timeout:.1f}s (phase "
+            f"{op.progress.phase}); wait_operation or cancel_operation it",
+        )
+    return op
 
-    def __init__(self, target: str = DEFAULT_TARGET, **config: Unpack[ChannelOptions]) -> None:
-        super().__init__(target, **config)
-        self._operations = operations_pb2_grpc.OperationsStub(self._channel)
+
+class UpdateOperations:
+    """The Operations of weight updates on one connection."""
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+        self._stub = operations_pb2_grpc.OperationsStub(connection.channel)
 
     async def get_operation(self, name: str, *, timeout: float | None = None) -> UpdateOperation:
         """An update Operation as it is now."""
-        op = await self._unary(self._operations.GetOperation, operations_pb2.GetOperationRequest(name=name), timeout)
-        return UpdateOperation.from_proto(op)
+        request = operations_pb2.GetOperationRequest(name=name)
+        return UpdateOperation.from_proto(await self._connection.unary(self._stub.GetOperation, request, timeout))
 
     async def list_operations(self, *, done: bool | None = None, timeout: float | None = None) -> list[UpdateOperation]:
         """The update Operations this server incarnation keeps, newest first (running ones, and
@@ -43,7 +53,7 @@ class AsyncOperationsClient(AsyncClient):
         request = operations_pb2.ListOperationsRequest(filter="" if done is None else f"done={str(done).lower()}")
         ops: list[UpdateOperation] = []
         while True:
-            page = await self._unary(self._operations.ListOperations, request, timeout)
+            page = await self._connection.unary(self._stub.ListOperations, request, timeout)
             ops.extend(UpdateOperation.from_proto(op) for op in page.operations)
             if not page.next_page_token:
                 return ops
@@ -54,15 +64,34 @@ class AsyncOperationsClient(AsyncClient):
     ) -> UpdateOperation:
         """Wait until the Operation is done or `timeout` (None: no bound) elapsed; returns it
         as it then is (check `done`; `result()` raises its error)."""
-        return await self._await_operation(name, timeout, progress, raise_on_deadline=False)
+        bar = ProgressBar() if progress else None
+        try:
+            return await self._await_done(name, timeout, bar)
+        finally:
+            if bar is not None:
+                bar.close()
 
     async def cancel_operation(self, name: str, *, timeout: float | None = None) -> None:
         """Ask the server to stop the update (its error becomes UPDATE_CANCELLED)."""
-        await self._unary(self._operations.CancelOperation, operations_pb2.CancelOperationRequest(name=name), timeout)
+        request = operations_pb2.CancelOperationRequest(name=name)
+        await self._connection.unary(self._stub.CancelOperation, request, timeout)
+
+    async def until_done(self, name: str, timeout: float | None, progress: bool) -> UpdateOperation:
+        """The Operation once done (see require_done when `timeout` passes first)."""
+        return require_done(await self.wait_operation(name, timeout, progress=progress), timeout)
+
+    async def finish(
+        self, op: UpdateOperation, options: UpdateOptions, progress: bool, wait: bool
+    ) -> UpdateResult | UpdateOperation:
+        """What an update method returns: `op` itself without `wait`, else its result once
+        done (its error raised)."""
+        if not wait:
+            return op
+        return (await self.until_done(op.name, options.wait_bound(), progress)).result()
 
     async def _wait_slice(self, name: str, seconds: float) -> UpdateOperation:
         request = operations_pb2.WaitOperationRequest(name=name, timeout=duration(max(seconds, 0.001)))
-        op = await self._unary(self._operations.WaitOperation, request, seconds + self.config.timeout)
+        op = await self._connection.unary(self._stub.WaitOperation, request, seconds + self._connection.config.timeout)
         return UpdateOperation.from_proto(op)
 
     async def _await_done(self, name: str, timeout: float | None, bar: ProgressBar | None) -> UpdateOperation:
@@ -76,27 +105,3 @@ class AsyncOperationsClient(AsyncClient):
                 bar.update(op.progress)
             if op.done or (deadline is not None and time.monotonic() >= deadline):
                 return op
-
-    async def _await_operation(
-        self, name: str, timeout: float | None, progress: bool, *, raise_on_deadline: bool = True
-    ) -> UpdateOperation:
-        bar = ProgressBar() if progress else None
-        try:
-            op = await self._await_done(name, timeout, bar)
-        finally:
-            if bar is not None:
-                bar.close()
-        if not op.done and raise_on_deadline:
-            raise DeadlineExceededError(
-                code=grpc.StatusCode.DEADLINE_EXCEEDED,
-                message=f"{name} still running after {timeout:.1f}s (phase "
-                f"{op.progress.phase}); wait_operation or cancel_operation it",
-            )
-        return op
-
-    async def _finish(
-        self, op: UpdateOperation, options: UpdateOptions, progress: bool, wait: bool
-    ) -> UpdateResult | UpdateOperation:
-        if not wait:
-            return op
-        return (await self._await_operation(op.name, options.wait_bound(), progress)).result()

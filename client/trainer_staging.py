@@ -1,8 +1,9 @@
 """Two-phase updates for the trainer client: stage while the engine generates, commit in
 one short pause, or discard (docs/weights.md, "Two-phase updates").
 
-Runs in the trainer process. `AsyncStagingMixin` is part of AsyncTrainerClient
-(client/trainer.py), whose RPC helpers it uses; TrainerClient has the same methods blocking.
+Runs in the trainer process. `Staging` starts and waits for the stages, commits and discards;
+AsyncTrainerClient (client/trainer.py) holds one and forwards its stage_* / commit / discard
+methods to it; TrainerClient has the same methods blocking.
 
     with TrainerClient("127.0.0.1:50051") as t:
         staged = t.stage_weights_from_disk("/ckpt/step-42", "step-42")  # generation goes on
@@ -13,14 +14,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from enginectl.client.trainer_operations import AsyncOperationsClient
+from enginectl.client.client import Connection
+from enginectl.client.trainer_broadcast import DEFAULT_GROUP, BroadcastUpdates
+from enginectl.client.trainer_operations import UpdateOperations
 from enginectl.client.trainer_requests import UpdateOptions
-from enginectl.client.trainer_tensors import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, TensorSource
+from enginectl.client.trainer_tensors import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, TensorSource, TensorStream
 from enginectl.client.trainer_types import StagedWeights, UpdateOperation, UpdateResult
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 if TYPE_CHECKING:
-    from enginectl.client.trainer_broadcast import AsyncBroadcast
     from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
 
@@ -30,32 +32,20 @@ def _staged(result: UpdateResult) -> StagedWeights:
     return result.staged
 
 
-class AsyncStagingMixin(AsyncOperationsClient):
-    """stage_* / commit / discard methods of AsyncTrainerClient (which defines what is
-    declared here)."""
+class Staging:
+    """Two-phase updates on one connection: each stage is started the way its update would be
+    (the disk request, the tensor stream, the broadcast), marked stage_only."""
 
-    if TYPE_CHECKING:
-        _updates: pb2_grpc.WeightUpdateServiceStub
-
-        async def _stream_tensors(
-            self, tensors: TensorSource, options: UpdateOptions, chunk_bytes: int
-        ) -> UpdateOperation: ...
-
-        async def start_broadcast(
-            self,
-            tensors: TensorSource,
-            version: str | None = None,
-            *,
-            group_name: str = ...,
-            etag: str | None = None,
-            request_id: str | None = None,
-            pause_mode: str = "keep",
-            reset_prefix_cache: bool = True,
-            timeout: float | None = None,
-            progress: bool = False,
-            bucket_bytes: int = ...,
-            stage_only: bool = False,
-        ) -> AsyncBroadcast: ...
+    def __init__(
+        self,
+        connection: Connection,
+        stub: pb2_grpc.WeightUpdateServiceStub,
+        operations: UpdateOperations,
+        stream: TensorStream,
+        broadcasts: BroadcastUpdates,
+    ) -> None:
+        self._connection, self._stub = connection, stub
+        self._operations, self._stream, self._broadcasts = operations, stream, broadcasts
 
     async def stage_weights_from_disk(
         self,
@@ -71,7 +61,7 @@ class AsyncStagingMixin(AsyncOperationsClient):
         the commit names one. Returns the staged set (raises the stage's error)."""
         options = UpdateOptions(version, None, request_id, "keep", True, timeout, stage_only=True)
         op = await self.start_stage_from_disk(path, version, request_id=request_id, timeout=timeout)
-        return _staged(await self._finish(op, options, progress, True))  # type: ignore[arg-type]
+        return _staged((await self._operations.until_done(op.name, options.wait_bound(), progress)).result())
 
     async def start_stage_from_disk(
         self, path: str, version: str | None = None, *, request_id: str | None = None, timeout: float | None = None
@@ -79,7 +69,7 @@ class AsyncStagingMixin(AsyncOperationsClient):
         """stage_weights_from_disk without waiting: the running stage's Operation."""
         options = UpdateOptions(version, None, request_id, "keep", True, timeout, stage_only=True)
         request = options.fill(pb2.UpdateWeightsFromDiskRequest(path=str(path)))
-        return UpdateOperation.from_proto(await self._unary(self._updates.UpdateWeightsFromDisk, request, None))
+        return UpdateOperation.from_proto(await self._connection.unary(self._stub.UpdateWeightsFromDisk, request, None))
 
     async def stage_weights_from_tensors(
         self,
@@ -94,8 +84,8 @@ class AsyncStagingMixin(AsyncOperationsClient):
         """Stream `tensors` (as update_weights_from_tensors) into the server's staging area
         while it keeps generating. Returns the staged set."""
         options = UpdateOptions(version, None, request_id, "keep", True, timeout, stage_only=True)
-        op = await self._stream_tensors(tensors, options, chunk_bytes)
-        return _staged(await self._finish(op, options, progress, True))  # type: ignore[arg-type]
+        op = await self._stream.start(tensors, options, chunk_bytes)
+        return _staged((await self._operations.until_done(op.name, options.wait_bound(), progress)).result())
 
     async def stage_broadcast_weights(
         self,
@@ -110,9 +100,7 @@ class AsyncStagingMixin(AsyncOperationsClient):
     ) -> StagedWeights:
         """Broadcast `tensors` through the group (init_weights_update_group first) into the
         server's staging area while it keeps generating. Returns the staged set."""
-        from enginectl.client.trainer import DEFAULT_GROUP
-
-        broadcast = await self.start_broadcast(
+        broadcast = await self._broadcasts.start_broadcast(
             tensors,
             version,
             group_name=group_name or DEFAULT_GROUP,
@@ -146,8 +134,8 @@ class AsyncStagingMixin(AsyncOperationsClient):
         request = options.fill(pb2.CommitStagedWeightsRequest(name=name))
         if version is None:
             request.ClearField("weight_version")
-        op = UpdateOperation.from_proto(await self._unary(self._updates.CommitStagedWeights, request, None))
-        return await self._finish(op, options, progress, wait)
+        op = UpdateOperation.from_proto(await self._connection.unary(self._stub.CommitStagedWeights, request, None))
+        return await self._operations.finish(op, options, progress, wait)
 
     async def discard_staged_weights(
         self, name: str, *, allow_missing: bool = False, timeout: float | None = None
@@ -155,5 +143,5 @@ class AsyncStagingMixin(AsyncOperationsClient):
         """Drop the staged set `name` (a stage still receiving is cancelled); the bytes freed
         on the server's workers (0 when it had no such set and `allow_missing`)."""
         request = pb2.DiscardStagedWeightsRequest(name=name, allow_missing=allow_missing)
-        response = await self._unary(self._updates.DiscardStagedWeights, request, timeout)
+        response = await self._connection.unary(self._stub.DiscardStagedWeights, request, timeout)
         return int(response.bytes_freed)

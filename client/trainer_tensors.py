@@ -1,4 +1,5 @@
-"""Tensors for the trainer client: specs, raw stream bytes, and the trainer's side of a group.
+"""Tensors for the trainer client: specs, raw stream bytes, the tensor stream, and the
+trainer's side of a group.
 
 Runs in the trainer process. Needs torch, imported lazily inside the functions, so that
 `enginectl.client` stays importable without it. Names are checkpoint names (what the
@@ -11,11 +12,20 @@ import datetime
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import grpc
+
+from enginectl.client.client import Connection
+from enginectl.client.errors import from_rpc_error
+from enginectl.client.trainer_requests import UpdateOptions
+from enginectl.client.trainer_types import UpdateOperation
 from enginectl.common import dtypes
 from enginectl.common.buckets import Bucket, cut
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+if TYPE_CHECKING:
+    from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
 BACKENDS = {"gloo": pb2.GROUP_BACKEND_GLOO, "nccl": pb2.GROUP_BACKEND_NCCL}
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024  # a tensor stream's chunk
@@ -86,6 +96,32 @@ def chunks(named: list[tuple[str, Any]], chunk_bytes: int) -> Iterator[pb2.Updat
             offset += len(data)
     if pending:
         yield pb2.UpdateWeightsFromTensorsRequest(chunk=pb2.TensorStreamChunk(offset=offset, data=bytes(pending)))
+
+
+class TensorStream:
+    """UpdateWeightsFromTensors on one connection: the header, then every byte."""
+
+    def __init__(self, connection: Connection, stub: pb2_grpc.WeightUpdateServiceStub) -> None:
+        self._connection, self._stub = connection, stub
+
+    async def start(self, tensors: TensorSource, options: UpdateOptions, chunk_bytes: int) -> UpdateOperation:
+        """Send `tensors` in chunks of `chunk_bytes`; the Operation the stream started."""
+        if not 0 < chunk_bytes <= 4 * 1024 * 1024:
+            raise ValueError("chunk_bytes must be in 1..4 MiB")
+        named = named_tensors(tensors)
+        header = options.fill(pb2.TensorStreamHeader(tensors=[tensor_spec(n, t) for n, t in named]))
+
+        def messages() -> Iterator[pb2.UpdateWeightsFromTensorsRequest]:
+            yield pb2.UpdateWeightsFromTensorsRequest(header=header)
+            yield from chunks(named, chunk_bytes)
+
+        try:
+            response = await self._stub.UpdateWeightsFromTensors(
+                messages(), timeout=options.wait_bound(), metadata=self._connection.config.metadata()
+            )
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+        return UpdateOperation.from_proto(response)
 
 
 class BroadcastGroup:
@@ -178,6 +214,12 @@ class BroadcastGroup:
         flat = self._staging[:nbytes]
         torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors], out=flat)
         return flat
+
+    def abandon(self, why: str) -> None:
+        """Mark the group broken (its first reason kept) and close it: after a broadcast that
+        failed or was cut short, its collectives can not be trusted."""
+        self.broken = self.broken or why
+        self.close()
 
     def close(self) -> None:
         """Drop the process group and the store (closes their connections)."""
