@@ -1,19 +1,15 @@
-"""Shared fixtures: real `enginectl serve` subprocesses on the embedded tiny model.
+"""Fixtures of every test, unit and end to end: the servers' environment and a throwaway PKI.
 
-One server for the whole session (`server`) keeps the suite fast; tests that need a fresh
-incarnation or a particular flag start their own with `ServeProcess`.
+The fixtures that start `enginectl serve` are in tests/e2e/conftest.py, so a unit test can not
+ask for a server. The helpers behind all fixtures are in tests/support/ (imported as
+`support.*`: pytest puts tests/, this file's folder, on sys.path).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from support.serving import ServeProcess, base_env
-
-# Registered here, once for the session: a module that imports these fixtures itself gets
-# instances of its own (pytest scopes an imported fixture to the module that imports it).
-from support.weights import checkpoints, weights_server  # noqa: F401
+from support.pki import Pki, make_pki
+from support.serving import base_env
 
 
 @pytest.fixture(scope="session")
@@ -24,13 +20,7 @@ def serve_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
-def server(serve_env: dict[str, str]) -> Iterator[ServeProcess]:
-    """The session's shared server: no token; vLLM's --enable-scale-out passes through so
-    /inference/v1/generate reports RequestOutput.weight_versions."""
-    srv = ServeProcess(["--enable-scale-out"], serve_env).start().wait_ready()
-    yield srv
-    try:
-        srv.terminate()
-    finally:
-        srv.kill()
+@pytest.fixture(scope="module")
+def pki() -> Pki:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, per module."""
+    return make_pki()

@@ -3,7 +3,7 @@
 It implements the typed EngineAdapter methods WeightUpdates calls (server/weights/updates.py
 `UpdateEngine`) over a few fields, and records every call, so tests of pure logic (pause
 modes, auto-pause and resume, one update at a time, the partial-update rule, ordering with a
-declaration) run without vLLM. The real-engine tests (test_weight_update.py and others) cover
+declaration) run without vLLM. The real-engine tests (tests/e2e/) cover
 the same rules end to end; this double only stands in for speed and for states that are hard
 to reach on purpose (a load that fails after writing, a load held mid-way).
 """

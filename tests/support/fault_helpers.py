@@ -1,8 +1,8 @@
-"""Helpers for tests/test_faults.py: child processes of tests/support/fault_procs.py (`Child`), blocking
-stubs with Operation polling (`Stubs`), the failure each fault must end in and what it must
-leave behind (rule 6 of weight_update_service.proto: `assert_unchanged` before writing
-began, `assert_partial` after, `assert_recovers` once an update succeeds), and readers of
-the FPM stream."""
+"""Helpers for tests/e2e/test_faults.py: child processes of tests/support/fault_procs.py (`Child`),
+blocking stubs with Operation polling (`Stubs`), the failure each fault must end in and what it
+must leave behind (rule 6 of weight_update_service.proto: `assert_unchanged` before writing
+began, `assert_partial` after, `assert_recovers` once an update succeeds), and readers of the
+FPM stream."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Child processes for tests/test_faults.py: clients the test kills, stalls or releases at a
+"""Child processes for tests/e2e/test_faults.py: clients the test kills, stalls or releases at a
 known point.
 
 Runs as `python tests/support/fault_procs.py MODE ARGS...`. Each mode prints one JSON line (flushed)

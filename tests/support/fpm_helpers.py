@@ -1,5 +1,5 @@
-"""Helpers for the FPM stream and planner tests: a real ZMQ publisher into a server's relay,
-and stream readers over real gRPC.
+"""Helpers for the FPM stream, generation-state and planner tests: a real ZMQ publisher into a
+server's relay, stream readers over real gRPC, and a sample's generation state by name.
 
 The publisher is a real ZMQ PUB sending real ForwardPassMetrics frames to the relay endpoint
 `enginectl serve` logs (`fpm relay listening`), exactly as each EngineCore's publisher does;
@@ -22,6 +22,16 @@ from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
 from support.serving import ServeProcess
 
 STEP, HEARTBEAT = fpm_pb2.SAMPLE_KIND_STEP, fpm_pb2.SAMPLE_KIND_HEARTBEAT
+# The state of a generating rank, as `state` names it.
+RUNNING = ("RUNNING", "UNSPECIFIED")
+
+
+def state(sample: fpm_pb2.ForwardPassMetrics) -> tuple[str, str]:
+    """(generation state, pause reason) of a sample, by name: ("PAUSED", "CALLER")."""
+    return (
+        fpm_pb2.GenerationState.Name(sample.generation_state).removeprefix("GENERATION_STATE_"),
+        fpm_pb2.PauseReason.Name(sample.pause_reason).removeprefix("PAUSE_REASON_"),
+    )
 
 
 def relay_endpoint(server: ServeProcess) -> str:

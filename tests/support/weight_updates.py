@@ -1,30 +1,24 @@
-"""Shared by the test_weight_update*.py modules: blocking stubs with load/wait/verify helpers,
-the ErrorInfo of a refused call, and the module fixtures every one of them uses (import them:
-`from weight_update_fixtures import back_to_a, stubs, tokens_a, ...`). `checkpoints` and
-`weights_server` come from conftest.py: importing them too would start a server per module.
+"""Blocking stubs with load/wait/verify helpers (`Stubs`), and the ErrorInfo of a refused call
+(`error_info`), for the tests that update a real server's weights.
 
-- `stubs` (module): `Stubs` on the session's `weights_server`.
-- `tokens_a` (module): loads checkpoint A (declared "A") and reads its greedy tokens.
-- `tokens_b` (module): B's greedy tokens (different from A's), back on A afterwards.
-- `back_to_a` (autouse): after each test, generation resumed (forced) and A loaded.
+The fixtures built on them are in the conftest.py files: `stubs` (module: `Stubs` on the
+session's `weights_server`) in tests/e2e/conftest.py; `tokens_a`, `tokens_b` and the autouse
+`back_to_a` of the modules in tests/e2e/weight_updates/ in that folder's conftest.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 from google.longrunning import operations_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
-from support.serving import ServeProcess
-from support.weights import Checkpoints, WeightStubs, greedy_tokens
+from support.weights import WeightStubs
 
 
 class Stubs(WeightStubs):
@@ -56,30 +50,3 @@ def error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo:
             detail.Unpack(info)
             return info
     raise AssertionError(f"no ErrorInfo in {status}")
-
-
-@pytest.fixture(scope="module")
-def stubs(weights_server: ServeProcess) -> Stubs:
-    return Stubs(weights_server)
-
-
-@pytest.fixture(scope="module")
-def tokens_a(weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints) -> list[int]:
-    stubs.load(checkpoints.a, "A")
-    return greedy_tokens(weights_server)
-
-
-@pytest.fixture(scope="module")
-def tokens_b(weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int]) -> list[int]:
-    stubs.load(checkpoints.b, "B")
-    tokens = greedy_tokens(weights_server)
-    stubs.load(checkpoints.a, "A")
-    assert tokens != tokens_a, "checkpoint B must generate differently from A"
-    return tokens
-
-
-@pytest.fixture(autouse=True)
-def back_to_a(stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int]) -> Iterator[None]:
-    yield
-    stubs.updates.ResumeGeneration(upb.ResumeGenerationRequest(force=True))
-    stubs.load(checkpoints.a, "A")

@@ -1,19 +1,17 @@
-"""Shared fixtures for weight-update tests: two tiny checkpoints and a server that may load them.
+"""Checkpoints and weight-service stubs for the tests that load weights into a real server.
 
-tests/conftest.py registers `checkpoints` and `weights_server` for the whole session (one
-server). A module that imports them itself (`from weights_fixtures import weights_server`)
-gets its own instances: pytest registers an imported fixture per module, so do that only for
-a module that needs a server of its own. Runs in the pytest process.
-
-- `checkpoints` (session): A is a copy of the embedded default model (the weights every
-  server starts with), B the same files with every tensor perturbed (seeded), both under one
-  root the server is allowed to read (`--allow-weights-from`). Helpers give their state
-  dicts, and `greedy_tokens` reads the greedy token ids a server generates now.
-- `weights_server` (session): `enginectl serve --allow-weights-from <root> --enable-scale-out`
-  with `VLLM_SERVER_DEV_MODE=1` (vLLM's `/collective_rpc`, `/pause`, `/resume` routes, used to
-  bypass enginectl on purpose). Terminated at the end; no child process may be left.
+- `Checkpoints`: A is a copy of the embedded default model (the weights every server starts
+  with), B the same files with every tensor perturbed (seeded), both under one root the
+  server is allowed to read (`--allow-weights-from`); `build_checkpoints` makes them. Helpers
+  give their state dicts, and `greedy_tokens` reads the greedy token ids a server generates now.
+- `start_weights_server`: `enginectl serve --allow-weights-from <root> --enable-scale-out` with
+  `VLLM_SERVER_DEV_MODE=1` (vLLM's `/collective_rpc`, `/pause`, `/resume` routes, used to
+  bypass enginectl on purpose); `stop_server` terminates one and checks no child is left.
 - `WeightStubs`: blocking stubs of a server's weight services and Operations on one channel,
   which the test modules extend.
+
+The fixtures built on these (`checkpoints`, `weights_server`, session-wide) are in
+tests/e2e/conftest.py. Runs in the pytest process.
 """
 
 from __future__ import annotations
@@ -21,13 +19,11 @@ from __future__ import annotations
 import json
 import shutil
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 from google.longrunning import operations_pb2_grpc
 
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
@@ -113,13 +109,11 @@ def _build_b(a: Path, b: Path) -> None:
     save_file(perturbed, str(b / "model.safetensors"), metadata={"format": "pt"})
 
 
-@pytest.fixture(scope="session")
-def checkpoints(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
-    """A and B under a fresh allowed root; A is built in the servers' model cache first."""
+def build_checkpoints(serve_env: dict[str, str], root: Path) -> Checkpoints:
+    """A and B under `root`, a fresh allowed root; A is built in the servers' model cache first."""
     from enginectl.server.default_model import ensure_default_model
 
     served = ensure_default_model(Path(serve_env["ENGINECTL_CACHE_DIR"]))
-    root = tmp_path_factory.mktemp("weights-root")
     a, b = root / "A", root / "B"
     shutil.copytree(served, a)
     _build_b(a, b)
@@ -144,11 +138,3 @@ def stop_server(srv: ServeProcess) -> None:
     finally:
         srv.kill()
     assert not alive(children), f"children left behind: {alive(children)}"
-
-
-@pytest.fixture(scope="session")
-def weights_server(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[ServeProcess]:
-    """One server for the weight tests of the session (starts with checkpoint A)."""
-    srv = start_weights_server(serve_env, checkpoints)
-    yield srv
-    stop_server(srv)

@@ -1,4 +1,4 @@
-"""The calls tests/test_fuzz.py makes: which services and RPCs there are (from the generated
+"""The calls tests/e2e/test_fuzz.py makes: which services and RPCs there are (from the generated
 modules' descriptors), and `FuzzCalls`, which sends fuzzed requests and checks each error
 against the error contract (google.rpc.Status with one ErrorInfo of a stable reason, no
 UNKNOWN or INTERNAL, no traceback, within the trailers' budget)."""

@@ -1,4 +1,4 @@
-"""The fuzzer of tests/test_fuzz.py: the requests it draws for each RPC (from the message
+"""The fuzzer of tests/e2e/test_fuzz.py: the requests it draws for each RPC (from the message
 builder, the model's own tensors and stream chunks) and what it checks after every call: the
 error contract (calls.py), the WeightVersion resource and generation state as the rules
 of weight_update_service.proto say, and a few promises about single fields

@@ -1,4 +1,4 @@
-"""Files for UpdateWeightsFromDisk to find in tests/test_fuzz.py: good ones (the model's own
+"""Files for UpdateWeightsFromDisk to find in tests/e2e/test_fuzz.py: good ones (the model's own
 values, whole or in part), bad ones (wrong dtype or shape, broken headers, symlinks out of
 the allowed root, FIFOs, devices), and paths inside the allowed root and out."""
 

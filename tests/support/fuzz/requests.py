@@ -1,4 +1,4 @@
-"""Fuzzed requests for tests/test_fuzz.py, built from the protobuf descriptors: any message
+"""Fuzzed requests for tests/e2e/test_fuzz.py, built from the protobuf descriptors: any message
 (`MessageBuilder`), with hints that reach deeper into the server (`HINTS`) and valid requests
 to mutate (`BASELINES`); raw bytes around a serialization (`RawRequest`); client streams the
 client gives up part-way (`CANCEL`)."""

@@ -1,4 +1,4 @@
-"""Fuzz values for tests/test_fuzz.py: the budgets every fuzzed call keeps, and hypothesis
+"""Fuzz values for tests/e2e/test_fuzz.py: the budgets every fuzzed call keeps, and hypothesis
 strategies for scalars with edge values and for Durations (accepted, or never accepted)."""
 
 from __future__ import annotations
