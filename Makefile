@@ -7,7 +7,7 @@ export VLLM_NO_USAGE_STATS ?= 1
 # The Python folders ruff checks and formats.
 PY_DIRS := client server worker common contract cli scripts tests bench examples
 
-.PHONY: install serve test check check-protos gen bench soak mypy-tree
+.PHONY: install serve test unit check check-protos gen bench soak mypy-tree
 
 install:
 	./scripts/install.sh
@@ -53,6 +53,11 @@ check: check-protos mypy-tree
 
 test: install check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The in-process tests alone (tests/unit/): no server, no engine, no child process; seconds.
+# `make test` runs them too, with the end-to-end tests of tests/e2e/.
+unit: install
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m bench $(ARGS)
