@@ -75,6 +75,7 @@ class Reason:
     STAGED_WEIGHTS_NOT_FOUND = "STAGED_WEIGHTS_NOT_FOUND"
     STAGED_WEIGHTS_EXPIRED = "STAGED_WEIGHTS_EXPIRED"
     STAGE_INCOMPLETE = "STAGE_INCOMPLETE"  # a commit of a set still being received
+    STAGED_COMMITTING = "STAGED_COMMITTING"  # a discard of a set a commit is applying
     # FPM identity
     IDENTITY_SYNC_FAILED = "IDENTITY_SYNC_FAILED"
     IDENTITY_READ_FAILED = "IDENTITY_READ_FAILED"
@@ -91,6 +92,9 @@ class Reason:
     # Any RPC
     MALFORMED_REQUEST = "MALFORMED_REQUEST"
     ENGINE_DEAD = "ENGINE_DEAD"
+    # A call into the engine's workers outlived its timeout; its late answer was dropped and the
+    # engine goes on (docs/architecture.md, "Worker calls and their deadlines").
+    WORKER_TIMEOUT = "WORKER_TIMEOUT"
     UNAUTHENTICATED = "UNAUTHENTICATED"
     NOT_IMPLEMENTED = "NOT_IMPLEMENTED"
     SHUTTING_DOWN = "SHUTTING_DOWN"

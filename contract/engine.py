@@ -75,6 +75,12 @@ class Utility(str, enum.Enum):
     FINISH_UPDATE = "enginectl_finish_update"
     SET_WORKER_IDENTITY = "enginectl_set_worker_identity"
     GET_WORKER_IDENTITY = "enginectl_get_worker_identity"
+    # A worker RPC (WorkerRpc) on every worker of the rank, bounded: answers a WorkerCall. vLLM
+    # pairs workers' answers with calls by order, so an answer that comes after its call's
+    # timeout would be read as the next model step's output; this call drains it instead, or
+    # stops the rank's executor and says so (worker/engine_core.py, docs/architecture.md
+    # "Worker calls and their deadlines").
+    WORKER_CALL = "enginectl_worker_call"
 
 
 class WorkerRpc(str, enum.Enum):
@@ -82,7 +88,10 @@ class WorkerRpc(str, enum.Enum):
     worker through vLLM's `collective_rpc`, on the worker's RPC thread."""
 
     LOAD = "enginectl_load"
+    # Joining a group runs on a thread of the worker (a rendezvous can outlast any bound):
+    # INIT_GROUP starts it and answers at once, GROUP_JOIN_STATE reads how it stands.
     INIT_GROUP = "enginectl_init_group"
+    GROUP_JOIN_STATE = "enginectl_group_join_state"
     DESTROY_GROUP = "enginectl_destroy_group"
     FINGERPRINT = "enginectl_fingerprint"
     DECLARE_FINGERPRINT = "enginectl_declare_fingerprint"
@@ -115,6 +124,7 @@ class Cause(str, enum.Enum):
     ETAG_MISMATCH = "ETAG_MISMATCH"
     LOAD_FAILED = "LOAD_FAILED"
     IPC_HANDLE_UNAVAILABLE = "IPC_HANDLE_UNAVAILABLE"  # a worker could not map a handle
+    WORKER_TIMEOUT = "WORKER_TIMEOUT"  # a worker RPC outlived its timeout (its answer was dropped)
 
 
 class RankFailure(str, enum.Enum):
@@ -294,12 +304,51 @@ class GroupSpec(msgspec.Struct, frozen=True):
 
 
 class GroupJoined(msgspec.Struct, frozen=True):
-    """A worker's answer to INIT_GROUP: the rank it took, or why it could not join."""
+    """A worker's answer to INIT_GROUP and GROUP_JOIN_STATE: still `joining`, the rank it
+    took, or why it could not join."""
 
     dp_rank: int
     rank: int
     failure: str = ""  # "", or Cause.GROUP_TIMEOUT / "GROUP_INIT_FAILED"
     message: str = ""
+    joining: bool = False  # the join runs on the worker's thread: ask again
+
+
+# --- bounded worker calls (Utility.WORKER_CALL) ---------------------------------------------
+
+
+class LateAnswer(msgspec.Struct, frozen=True):
+    """A worker RPC outlived the timeout it was sent with. `drained`: every late answer
+    arrived within the grace that followed and was dropped, so the rank's executor is in step
+    again; else the executor was stopped (no model step may read a late answer as its own)
+    and the rank must be taken for dead."""
+
+    rpc: str
+    timeout: float
+    drained: bool
+    message: str
+
+
+class WorkerCall(msgspec.Struct, frozen=True):
+    """The answer to Utility.WORKER_CALL: every worker's answer in worker order, or `late`."""
+
+    answers: list[Any] = msgspec.field(default_factory=list)
+    late: LateAnswer | None = None
+
+
+# The timeouts worker RPCs are sent with (docs/architecture.md, "Worker calls and their
+# deadlines", states each method's worst case beside them). A call that must answer at once
+# (start a thread, read a state, drop a buffer) takes milliseconds:
+QUICK_RPC_TIMEOUT_S: Final = 10.0
+# A sampled fingerprint, a declaration's, or one slice of a full digest: milliseconds each (a
+# full digest is cut into slices of bounded time).
+DIGEST_RPC_TIMEOUT_S: Final = 60.0
+# A LOAD is sent with its update's timeout plus this: the workers stop at the plan's deadline
+# (an abort frame reaches them), then finish the layer in hand and vLLM's finalising.
+LOAD_RPC_GRACE_S: Final = 30.0
+# How long an EngineCore waits for late answers after a worker RPC's timeout before it stops
+# its executor (Utility.WORKER_CALL). Generation waits meanwhile: better than a dead engine.
+LATE_ANSWER_GRACE_S: Final = 20.0
 
 
 # --- fingerprints (WorkerRpc.FINGERPRINT, DECLARE_FINGERPRINT, FULL_DIGEST) -----------------

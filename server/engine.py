@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import signal
 import threading
 from argparse import Namespace
@@ -26,6 +27,8 @@ import grpc
 import structlog
 
 from enginectl.contract.engine import (
+    DIGEST_RPC_TIMEOUT_S,
+    QUICK_RPC_TIMEOUT_S,
     DigestJob,
     DigestSlice,
     FinishUpdate,
@@ -41,6 +44,7 @@ from enginectl.contract.engine import (
     StageResult,
     Utility,
     VllmUtility,
+    WorkerCall,
     WorkerDigest,
     WorkerRpc,
     read,
@@ -49,7 +53,6 @@ from enginectl.contract.engine import (
 from enginectl.server.control_loop import run_on
 from enginectl.server.engine_processes import reap_children
 from enginectl.server.errors import ControlPlaneError, Reason
-from enginectl.server.limits import RPC_GRACE_S
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -219,15 +222,21 @@ class EngineAdapter:
 
     async def _call_all(self, method: str, *args: Any) -> list[Any]:
         """Call an EngineCore utility on every DP rank; one result per rank, in rank order."""
+        return await self._on_engine(method, lambda: self._unless_dead(self._all(method, *args)))
+
+    async def _all(self, method: str, *args: Any) -> list[Any]:
+        return list(await self._llm.engine_core.call_utility_all_async(method, *args))
+
+    async def _on_engine(self, what: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run `make()` on the engine's loop; a failure there (but ours) is ENGINE_DEAD."""
         if self._llm.errored:
             raise _engine_dead("the engine has died")
         try:
-            call = self._llm.engine_core.call_utility_all_async(method, *args)
-            return list(await run_on(self._loop, self._unless_dead(call)))
+            return await run_on(self._loop, make())
         except (asyncio.CancelledError, ControlPlaneError):
             raise
         except Exception as exc:
-            raise _engine_dead(f"{method} failed on the engine: {exc}") from exc
+            raise _engine_dead(f"{what} failed on the engine: {exc}") from exc
 
     async def _call_each(self, method: str, *args: Any, timeout: float) -> list[RankOutcome[Any]]:
         """Call an EngineCore utility on every DP rank, each call on its own and bounded by
@@ -237,9 +246,49 @@ class EngineAdapter:
             raise _engine_dead("the engine has died")
         return await run_on(self._loop, _call_each(self._llm.engine_core, method, args, timeout))
 
-    async def _workers(self, rpc: WorkerRpc, *args: Any, timeout: float | None = None) -> list[list[Any]]:
-        """A worker RPC on every worker of every rank: per DP rank, one answer per worker."""
-        return await self._call_all(VllmUtility.COLLECTIVE_RPC.value, rpc.value, timeout, args, None)
+    # --- worker calls (docs/architecture.md, "Worker calls and their deadlines") -----------
+
+    async def _workers(self, rpc: WorkerRpc, *args: Any, timeout: float) -> list[list[Any]]:
+        """A worker RPC on every worker of every rank, bounded by `timeout` in each
+        EngineCore (Utility.WORKER_CALL): per DP rank, one answer per worker. A call that
+        outlived its timeout raises DEADLINE_EXCEEDED WORKER_TIMEOUT once its late answers
+        were drained; if they never came, that EngineCore stopped its executor and the engine
+        is dead from here on."""
+
+        async def call() -> list[WorkerCall]:  # on the engine's loop
+            answers = await self._all(Utility.WORKER_CALL.value, rpc.value, timeout, args)
+            calls = [read(WorkerCall, answer) for answer in answers]
+            for c in calls:
+                self._note_lost(c)
+            return calls
+
+        calls = await self._on_engine(rpc.value, lambda: self._unless_dead(call()))
+        return [_answers(c) for c in calls]
+
+    async def _group_call(self, rpc: WorkerRpc, arg: Any, timeout: float) -> list[RankOutcome[list[Any]]]:
+        """A group RPC, rank by rank (`_call_each`): each EngineCore bounds it by
+        QUICK_RPC_TIMEOUT_S (the workers answer at once), the server waits `timeout` at most."""
+
+        async def call() -> list[RankOutcome[Any]]:  # on the engine's loop
+            args = (rpc.value, QUICK_RPC_TIMEOUT_S, (arg,))
+            outcomes = await _call_each(self._llm.engine_core, Utility.WORKER_CALL.value, args, timeout)
+            for outcome in outcomes:
+                if outcome.result is not None:
+                    with contextlib.suppress(ValueError, TypeError):  # unreadable: that rank's RANK_ERROR
+                        self._note_lost(read(WorkerCall, outcome.result))
+            return outcomes
+
+        if self._llm.errored:
+            raise _engine_dead("the engine has died")
+        outcomes = await run_on(self._loop, call())
+        return [o.map(lambda answer: _answers(read(WorkerCall, answer))) for o in outcomes]
+
+    def _note_lost(self, call: WorkerCall) -> None:
+        """On the engine's loop, as soon as the answer is in: a late answer that never came
+        means that EngineCore stopped its executor. The engine is dead, and this says why
+        before vLLM's own signs of it (the EngineCore's next step fails) can."""
+        if call.late is not None and not call.late.drained:
+            self._died(call.late.message)
 
     # --- generation --------------------------------------------------------------------
 
@@ -295,17 +344,17 @@ class EngineAdapter:
 
     async def stage(self, plan: LoadPlan) -> list[list[StageAck]]:
         """Every worker starts staging `plan` on a thread of its own and answers at once."""
-        per_rank = await self._workers(WorkerRpc.STAGE, wire(plan), timeout=RPC_GRACE_S)
+        per_rank = await self._workers(WorkerRpc.STAGE, wire(plan), timeout=QUICK_RPC_TIMEOUT_S)
         return [[read(StageAck, w) for w in rank] for rank in per_rank]
 
     async def stage_result(self, token: str) -> list[list[StageResult]]:
         """How every worker's staging of `token` ended (or that it still runs)."""
-        per_rank = await self._workers(WorkerRpc.STAGE_RESULT, token, timeout=RPC_GRACE_S)
+        per_rank = await self._workers(WorkerRpc.STAGE_RESULT, token, timeout=QUICK_RPC_TIMEOUT_S)
         return [[read(StageResult, w) for w in rank] for rank in per_rank]
 
     async def discard_staged(self, token: str, free: bool) -> int:
         """Every worker drops the staged set `token`; the bytes the workers held."""
-        per_rank = await self._workers(WorkerRpc.DISCARD_STAGED, token, free, timeout=RPC_GRACE_S)
+        per_rank = await self._workers(WorkerRpc.DISCARD_STAGED, token, free, timeout=QUICK_RPC_TIMEOUT_S)
         return sum(int(w) for rank in per_rank for w in rank)
 
     async def finish_update(self, request: FinishUpdate) -> list[list[WorkerDigest]]:
@@ -316,35 +365,34 @@ class EngineAdapter:
 
     async def fingerprint(self) -> list[list[WorkerDigest]]:
         """The sampled digest of the weights now, per rank and worker (milliseconds)."""
-        return [[read(WorkerDigest, w) for w in rank] for rank in await self._workers(WorkerRpc.FINGERPRINT)]
+        answers = await self._workers(WorkerRpc.FINGERPRINT, timeout=DIGEST_RPC_TIMEOUT_S)
+        return [[read(WorkerDigest, w) for w in rank] for rank in answers]
 
     async def declare_fingerprint(self, token: str) -> list[list[WorkerDigest]]:
         """A declaration's sampled digest; the workers record its full baseline under `token`."""
-        answers = await self._workers(WorkerRpc.DECLARE_FINGERPRINT, token)
+        answers = await self._workers(WorkerRpc.DECLARE_FINGERPRINT, token, timeout=DIGEST_RPC_TIMEOUT_S)
         return [[read(WorkerDigest, w) for w in rank] for rank in answers]
 
     async def full_digest(self, job: DigestJob, token: str) -> list[list[DigestSlice]]:
         """One slice of a full digest on every worker."""
-        answers = await self._workers(WorkerRpc.FULL_DIGEST, job.value, token)
+        answers = await self._workers(WorkerRpc.FULL_DIGEST, job.value, token, timeout=DIGEST_RPC_TIMEOUT_S)
         return [[read(DigestSlice, w) for w in rank] for rank in answers]
 
     async def init_group(self, spec: GroupSpec, timeout: float) -> list[RankOutcome[list[GroupJoined]]]:
-        """Every worker joins the update group `spec`; each rank bounded by `timeout`."""
-        outcomes = await self._call_each(
-            VllmUtility.COLLECTIVE_RPC.value,
-            WorkerRpc.INIT_GROUP.value,
-            spec.timeout + 5,
-            (wire(spec),),
-            None,
-            timeout=timeout,
-        )
+        """Every worker starts joining the update group `spec` on a thread of its own; each
+        rank answers at once (`joining`) or says why not, bounded by `timeout`."""
+        outcomes = await self._group_call(WorkerRpc.INIT_GROUP, wire(spec), timeout=timeout)
+        return [o.map(lambda workers: [read(GroupJoined, w) for w in workers]) for o in outcomes]
+
+    async def group_join_state(self, name: str, timeout: float) -> list[RankOutcome[list[GroupJoined]]]:
+        """How every worker's join of `name` stands (each answers at once); bounded by `timeout`."""
+        outcomes = await self._group_call(WorkerRpc.GROUP_JOIN_STATE, name, timeout=timeout)
         return [o.map(lambda workers: [read(GroupJoined, w) for w in workers]) for o in outcomes]
 
     async def destroy_group(self, name: str) -> None:
-        """Every worker leaves the update group `name` (a no-op where it is unknown)."""
-        await self._call_each(
-            VllmUtility.COLLECTIVE_RPC.value, WorkerRpc.DESTROY_GROUP.value, None, (name,), None, timeout=30
-        )
+        """Every worker leaves the update group `name`, or gives up joining it (a no-op where
+        it is unknown)."""
+        await self._group_call(WorkerRpc.DESTROY_GROUP, name, timeout=QUICK_RPC_TIMEOUT_S + 1)
 
     # --- worker identity ---------------------------------------------------------------
 
@@ -414,6 +462,9 @@ class RankOutcome(Generic[T]):
             return RankOutcome(self.dp_rank, convert(self.result))
         except (ValueError, TypeError) as exc:  # msgspec.ValidationError is a ValueError
             return RankOutcome(self.dp_rank, None, RankFailure.RANK_ERROR, f"unreadable answer: {exc}")
+        except ControlPlaneError as exc:  # the rank's late answer (EngineAdapter._answers)
+            failure = RankFailure.RANK_TIMEOUT if exc.reason == Reason.WORKER_TIMEOUT else RankFailure.ENGINE_DEAD
+            return RankOutcome(self.dp_rank, None, failure, exc.message)
 
 
 async def _call_each(core: Any, method: str, args: tuple[Any, ...], timeout: float) -> list[RankOutcome[Any]]:
@@ -439,6 +490,22 @@ async def _call_each(core: Any, method: str, args: tuple[Any, ...], timeout: flo
         else:
             outcomes.append(RankOutcome(rank, result=call.result()))
     return outcomes
+
+
+def _answers(call: WorkerCall) -> list[Any]:
+    """A rank's WorkerCall as its workers' answers, or the error of its late answer: ENGINE_DEAD
+    when it never came (EngineAdapter._note_lost), else DEADLINE_EXCEEDED WORKER_TIMEOUT."""
+    late = call.late
+    if late is None:
+        return call.answers
+    if not late.drained:
+        raise _engine_dead(late.message)
+    raise ControlPlaneError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        Reason.WORKER_TIMEOUT,
+        late.message,
+        metadata={"rpc": late.rpc, "timeout": f"{late.timeout:.3f}"},
+    )
 
 
 def _exited(process: Any) -> str:

@@ -7,15 +7,23 @@ contract (contract/engine.py `Utility`); they run on the engine thread, between 
 
 They also keep the rank's generation state for its FPM samples (worker/fpm/generation.py,
 held by enginectl's scheduler; nothing to keep under another scheduler): who paused, and
-APPLYING while a weight load runs. The load is a worker RPC (WorkerRpc.LOAD) the server sends
-through vLLM's `collective_rpc` utility, so that utility is wrapped here: a LOAD marks the rank
-APPLYING for exactly its duration, with no round trip of its own, and the engine thread waits
-for it without vLLM's spin (`_waiting_without_spin`).
+APPLYING while a weight load runs. Every worker RPC of enginectl (WorkerRpc) reaches the workers through
+`enginectl_worker_call` (Utility.WORKER_CALL), which bounds it: vLLM's MultiprocExecutor pairs
+the workers' answers with calls by order, so an answer that arrives after its call's timeout
+would be read as the next model step's output and kill the engine. Here a call that outlives
+its timeout has its late answers drained (the engine stays in step and the call fails with a
+LateAnswer), or, when they do not come within LATE_ANSWER_GRACE_S, the executor is stopped so
+that no step can misread them, and the server takes the engine for dead
+(docs/architecture.md, "Worker calls and their deadlines"). A LOAD marks the rank APPLYING
+for exactly its duration, with no round trip of its own, and the engine thread waits for it
+without vLLM's spin (`_waiting_without_spin`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -23,16 +31,22 @@ from typing import Any
 from vllm.v1.engine.core import EngineCore
 
 from enginectl.contract.engine import (
+    DIGEST_RPC_TIMEOUT_S,
+    LATE_ANSWER_GRACE_S,
     FinishUpdate,
+    LateAnswer,
     PauseReason,
     RankGenerationState,
     Utility,
     VllmUtility,
+    WorkerCall,
     WorkerRpc,
     read,
     wire,
 )
 from enginectl.worker.fpm.generation import RankGeneration
+
+log = logging.getLogger("enginectl.worker.engine_core")
 
 
 def _generation(core: EngineCore) -> RankGeneration | None:
@@ -115,11 +129,17 @@ def enginectl_finish_update(self: EngineCore, request_wire: Any) -> Any:
         # them as vLLM's own pause(clear_cache) does; they recompute with the new weights.
         if not self.reset_prefix_cache(True, False):
             raise RuntimeError("the prefix cache could not be reset")
-    fingerprints: list[Any] = (
-        self.collective_rpc(WorkerRpc.DECLARE_FINGERPRINT.value, None, (request.fingerprint_token,), None)
-        if request.fingerprint_token
-        else []
-    )
+    fingerprints: list[Any] = []
+    if request.fingerprint_token:
+        call = read(
+            WorkerCall,
+            enginectl_worker_call(
+                self, WorkerRpc.DECLARE_FINGERPRINT.value, DIGEST_RPC_TIMEOUT_S, [request.fingerprint_token]
+            ),
+        )
+        if call.late is not None:
+            raise RuntimeError(call.late.message)
+        fingerprints = call.answers
     if request.version is not None:
         self.set_weight_version(request.version)
     if request.resume:
@@ -127,6 +147,75 @@ def enginectl_finish_update(self: EngineCore, request_wire: Any) -> Any:
     elif (generation := _generation(self)) is not None:
         generation.update_finished_paused()
     return fingerprints
+
+
+def enginectl_worker_call(self: EngineCore, rpc: str, timeout: float, args: list[Any]) -> Any:
+    """The worker RPC `rpc` on every worker of this rank, bounded by `timeout`: a WorkerCall
+    with every worker's answer in worker order, or its LateAnswer (see the module docstring).
+    A worker's failure raises, as vLLM's collective_rpc does, once every answer is in."""
+    if rpc not in _WORKER_RPCS:
+        raise ValueError(f"{rpc!r} is not a worker RPC of enginectl")
+    executor: Any = getattr(self, "model_executor", None)
+    queues = getattr(executor, "response_mqs", None)
+    requests = getattr(executor, "rpc_broadcast_mq", None)
+    if not queues or requests is None or getattr(executor, "futures_queue", None):
+        # Not vLLM's MultiprocExecutor (the uniprocess one runs the call inline: no answer can
+        # be late), or a step's answer is still due (never between two steps here).
+        return wire(WorkerCall(answers=list(collective_rpc(self, rpc, timeout, tuple(args)))))
+    if executor.is_failed:
+        raise RuntimeError("the executor has failed")
+    generation = _generation(self) if rpc == WorkerRpc.LOAD.value else None
+    with (
+        _waiting_without_spin(self) if rpc == WorkerRpc.LOAD.value else contextlib.nullcontext(),
+        generation.applying() if generation is not None else contextlib.nullcontext(),
+    ):
+        return wire(_bounded(executor, rpc, timeout, tuple(args)))
+
+
+def _bounded(executor: Any, rpc: str, timeout: float, args: tuple[Any, ...]) -> WorkerCall:
+    """Send `rpc` to every worker of `executor` and read each worker's answer, in order, until
+    `timeout`; a worker still inside the call then has its answer waited for and dropped."""
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    executor.rpc_broadcast_mq.enqueue((rpc, args, {}, None))
+    deadline = time.monotonic() + timeout
+    answers: list[Any] = []
+    failures: list[str] = []
+    queues = list(executor.response_mqs)
+    for index, queue in enumerate(queues):
+        try:
+            status, result = queue.dequeue(timeout=max(deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            return WorkerCall(late=_drain_late(executor, rpc, timeout, queues[index:]))
+        if status != WorkerProc.ResponseStatus.SUCCESS:
+            failures.append(str(result))  # read every answer first: none may stay queued
+        answers.append(result)
+    if failures:
+        raise RuntimeError(f"a worker failed in {rpc}: {failures[0]}")
+    return WorkerCall(answers=answers)
+
+
+def _drain_late(executor: Any, rpc: str, timeout: float, queues: list[Any]) -> LateAnswer:
+    """Wait up to LATE_ANSWER_GRACE_S for the answers still due on `queues` and drop them; if
+    one does not come, stop the executor: its next step would read that answer as its output."""
+    end = time.monotonic() + LATE_ANSWER_GRACE_S
+    for queue in queues:
+        try:
+            queue.dequeue(timeout=max(end - time.monotonic(), 0.0))
+        except TimeoutError:
+            executor.is_failed = True  # vLLM's collective_rpc refuses every call from now on
+            message = (
+                f"worker RPC {rpc} outlived its {timeout:.3f}s timeout and gave no answer within "
+                f"{LATE_ANSWER_GRACE_S:.0f}s more: the engine can no longer pair answers with calls and was stopped"
+            )
+            log.error("enginectl: %s", message)
+            return LateAnswer(rpc, timeout, drained=False, message=message)
+    message = f"worker RPC {rpc} outlived its {timeout:.3f}s timeout; its late answer was dropped"
+    log.warning("enginectl: %s", message)
+    return LateAnswer(rpc, timeout, drained=True, message=message)
+
+
+_WORKER_RPCS = frozenset(rpc.value for rpc in WorkerRpc)
 
 
 # vLLM's own method (a second import of this module must not wrap the wrapper).
@@ -179,5 +268,6 @@ setattr(EngineCore, Utility.FINISH_UPDATE.value, enginectl_finish_update)
 setattr(EngineCore, Utility.PAUSE.value, enginectl_pause)
 setattr(EngineCore, Utility.RESUME.value, enginectl_resume)
 setattr(EngineCore, Utility.HOLD.value, enginectl_hold)
+setattr(EngineCore, Utility.WORKER_CALL.value, enginectl_worker_call)
 collective_rpc.__wrapped__ = _vllm_collective_rpc  # type: ignore[attr-defined]
 setattr(EngineCore, VllmUtility.COLLECTIVE_RPC.value, collective_rpc)

@@ -8,8 +8,9 @@ touched (worker/weights/groups.py).
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Protocol
+from typing import Final, Protocol
 
 import grpc
 import structlog
@@ -30,6 +31,14 @@ from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 log = structlog.get_logger("enginectl.groups")
 
+# InitWeightsUpdateGroup answers within its timeout plus this, whatever the load: the workers
+# join on threads of their own, and the server stops asking once the timeout passed
+# (docs/architecture.md, "Worker calls and their deadlines").
+JOIN_MARGIN_S: Final = 2.0
+# How often the server asks how the workers' joins stand: from 5 ms, doubling, to 100 ms.
+JOIN_POLL_FIRST_S: Final = 0.005
+JOIN_POLL_MAX_S: Final = 0.1
+
 # Causes after which a group can not be trusted again: the server destroys it.
 BREAKING_CAUSES = frozenset({"GROUP_TIMEOUT", "STREAM_BROKEN", "UPDATE_CANCELLED", "GROUP_BROKEN"})
 
@@ -40,6 +49,8 @@ class GroupEngine(Protocol):
     info: EngineInfo
 
     async def init_group(self, spec: GroupSpec, timeout: float) -> list[RankOutcome[list[GroupJoined]]]: ...
+
+    async def group_join_state(self, name: str, timeout: float) -> list[RankOutcome[list[GroupJoined]]]: ...
 
     async def destroy_group(self, name: str) -> None: ...
 
@@ -135,13 +146,15 @@ class UpdateGroups:
         )
         self._pending.add(name)
         try:
-            outcomes = await self._engine.init_group(spec, timeout=timeout + 10)
-        finally:
-            self._pending.discard(name)
+            outcomes = await self._join(spec)
+        except BaseException:
+            self._leave(name)
+            raise
         failure = _join_failure(name, timeout, outcomes)
         if failure is not None:
-            await self._engine.destroy_group(name)  # the members that did join leave again
+            self._leave(name)  # the members that did join leave again; the others give up
             raise failure
+        self._pending.discard(name)
         group = pb2.WeightsUpdateGroup(
             group_name=name,
             backend=request.backend,
@@ -155,6 +168,47 @@ class UpdateGroups:
         self._groups[name] = group
         log.info("update group created", group=name, backend=spec.backend.value, world_size=request.world_size)
         return group
+
+    async def _join(self, spec: GroupSpec) -> list[RankOutcome[list[GroupJoined]]]:
+        """Every worker joins `spec` on its own thread; ask how they stand until every rank
+        ended its join, or the timeout (plus JOIN_MARGIN_S) passed: a rank still joining then
+        is a RANK_TIMEOUT. Each call to the engine is bounded by the time left."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + spec.timeout + JOIN_MARGIN_S
+
+        def left() -> float:
+            return max(end - loop.time(), 0.0)
+
+        outcomes = {o.dp_rank: o for o in await self._engine.init_group(spec, timeout=left())}
+        interval = JOIN_POLL_FIRST_S
+        while joining := [rank for rank, o in outcomes.items() if _joining(o)]:
+            if left() <= 0:
+                for rank in joining:
+                    outcomes[rank] = RankOutcome(
+                        rank, failure=RankFailure.RANK_TIMEOUT, message=f"still joining after {spec.timeout:.3f}s"
+                    )
+                break
+            await asyncio.sleep(min(interval, left()))  # the workers' threads join meanwhile
+            interval = min(interval * 2, JOIN_POLL_MAX_S)
+            for state in await self._engine.group_join_state(spec.name, timeout=left()):
+                if state.dp_rank in joining:  # a poll that ran out of time is that rank's RANK_TIMEOUT
+                    outcomes[state.dp_rank] = state
+        return [outcomes[rank] for rank in sorted(outcomes)]
+
+    def _leave(self, name: str) -> None:
+        """Every worker leaves `name` or gives up joining it, in the background (each answers at
+        once, but the caller has been answered already); the name stays taken until then."""
+
+        async def leave() -> None:
+            try:
+                await self._engine.destroy_group(name)
+            except Exception:  # noqa: BLE001 - an engine that died answers nothing more
+                log.warning("leaving an update group that was not created failed", group=name)
+            finally:
+                self._pending.discard(name)
+
+        self._pending.add(name)
+        asyncio.ensure_future(leave())
 
     async def destroy(self, request: pb2.DestroyWeightsUpdateGroupRequest) -> bool:
         check_group_name(request.group_name)
@@ -176,6 +230,10 @@ class UpdateGroups:
         """Forget `name` and have every worker leave it."""
         self._groups.pop(name, None)
         await self._engine.destroy_group(name)
+
+
+def _joining(outcome: RankOutcome[list[GroupJoined]]) -> bool:
+    return outcome.failure is None and any(worker.joining for worker in outcome.result or ())
 
 
 def _join_failure(

@@ -34,6 +34,7 @@ CAUSE_CODES: dict[str, grpc.StatusCode] = {
     Cause.ETAG_MISMATCH: grpc.StatusCode.ABORTED,
     Cause.LOAD_FAILED: grpc.StatusCode.INTERNAL,
     Cause.IPC_HANDLE_UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,
+    Cause.WORKER_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 _CAUSES = frozenset(c.value for c in Cause)

@@ -56,7 +56,7 @@ log = structlog.get_logger("enginectl.updates")
 
 class UpdateEngine(PauseEngine, GroupEngine, FingerprintEngine, StagingEngine, Protocol):
     """What weight updates need of the engine (server/engine.py EngineAdapter, or the
-    in-memory double of tests/engine_double.py)."""
+    in-memory double of tests/support/engine_double.py)."""
 
     info: EngineInfo
 
@@ -235,6 +235,8 @@ class WeightUpdates(UpdateSteps):
         if self.generation.updating():
             raise self.generation.in_progress("one update runs at a time")
         self.staging.check_idle()
+        if plan.stage_token:
+            self.staging.check_committable(plan.stage_token)
         if plan.stage_only:
             self.staging.check(plan)
         if plan.group:
@@ -263,11 +265,15 @@ class WeightUpdates(UpdateSteps):
             asyncio.ensure_future(self._stage(staged, op, plan, feed))
             return op, True
         self.generation.active = op  # from here on, another update is refused
+        if plan.stage_token:  # from here on, a discard of the set is refused
+            self.staging.commit_started(plan.stage_token, op.name)
         lock = self._ledger.writing()
         try:
             await lock.acquire()
         except asyncio.CancelledError:  # the caller went away before the update could start
             self.generation.active = None
+            if plan.stage_token:
+                self.staging.commit_ended(plan.stage_token, op.name)
             cancelled = ControlPlaneError(
                 grpc.StatusCode.CANCELLED, Reason.UPDATE_CANCELLED, "the call was cancelled before the update started"
             )
@@ -364,6 +370,8 @@ class WeightUpdates(UpdateSteps):
                 lock.release()
             channels.close()
             self.groups.in_use.discard(plan.group)
+            if plan.stage_token:
+                self.staging.commit_ended(plan.stage_token, op.name)
             if gen.active is op:
                 gen.active = None
 
@@ -380,7 +388,14 @@ class WeightUpdates(UpdateSteps):
         )
         feeding = asyncio.ensure_future(feed(channels, op)) if feed is not None else None
         try:
-            results = await load
+            try:
+                results = await load
+            except ControlPlaneError as exc:
+                if exc.reason != Reason.WORKER_TIMEOUT:
+                    raise
+                # A worker was still loading when the call's timeout passed: whatever it wrote
+                # is unknown, so the weights count as mixed (docs/architecture.md).
+                raise UpdateFailed(Cause.WORKER_TIMEOUT, exc.message, modified=True) from None
             if feeding is not None:
                 await asyncio.wait({feeding}, timeout=1.0)
             return results

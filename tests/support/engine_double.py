@@ -154,5 +154,8 @@ class EngineDouble:
     async def init_group(self, spec: GroupSpec, timeout: float) -> list[RankOutcome[list[GroupJoined]]]:
         return [RankOutcome(0, [GroupJoined(0, spec.rank_offset)])]
 
+    async def group_join_state(self, name: str, timeout: float) -> list[RankOutcome[list[GroupJoined]]]:
+        return [RankOutcome(0, [GroupJoined(0, 1)])]
+
     async def destroy_group(self, name: str) -> None:
         self.calls.append(f"destroy_group:{name}")

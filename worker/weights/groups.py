@@ -1,9 +1,15 @@
 """Private broadcast groups with a trainer, inside a vLLM worker.
 
 Runs inside every vLLM worker process, mixed into EnginectlWorkerExtension. The group RPCs
-(INIT_GROUP, DESTROY_GROUP) and the loading of received tensors run on the worker's RPC
-thread; one background thread per update receives broadcasts (per tensor, or per bucket of
-tensors: common/buckets.py) into reusable buffers and never touches the model (worker/weights/fingerprints.py, "who may touch the weights").
+(INIT_GROUP, GROUP_JOIN_STATE, DESTROY_GROUP) and the loading of received tensors run on the
+worker's RPC thread, and each answers at once: joining a group (the TCPStore rendezvous, gloo's
+connections, a first broadcast) runs on a thread of its own, since torch's store client retries
+its connect past the timeout it is given and a worker RPC must never outlive the timeout it was
+sent with (docs/architecture.md, "Worker calls and their deadlines"). The server asks how the
+join stands until it ends or the caller's timeout passes; a join given up on is dropped when it
+ends. One background thread per update receives broadcasts (per tensor, or per bucket of
+tensors: common/buckets.py) into reusable buffers; neither thread touches the model
+(worker/weights/fingerprints.py, "who may touch the weights").
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from enginectl.common import buckets, dtypes
 from enginectl.contract.engine import Backend, Cause, GroupJoined, GroupSpec, LoadPlan, TensorSpec, read, wire
 from enginectl.worker.weights.channel import POLL_MS, Abort, Channel
-from enginectl.worker.weights.cores import unbind_this_thread, unbound
+from enginectl.worker.weights.cores import unbind_this_thread
 from enginectl.worker.weights.ranks import dp_rank, global_rank
 
 GROUP_INIT_FAILED = "GROUP_INIT_FAILED"
@@ -41,6 +47,18 @@ class _Group:
     # Receive buffers of the last two updates' layouts (_buffers), reused: fresh pages are slow.
     buffers: dict[BufferKey, torch.Tensor] = field(default_factory=dict)
     last_layout: set[BufferKey] = field(default_factory=set)
+
+
+@dataclass
+class _Join:
+    """A join running on its thread; `outcome` is set by that thread when it ends."""
+
+    spec: GroupSpec
+    dp_rank: int
+    rank: int
+    thread: threading.Thread | None = None
+    outcome: _Group | GroupJoined | None = None
+    abandoned: bool = False  # given up on (destroyed, or its group exists): drop it when done
 
 
 @dataclass(frozen=True)
@@ -67,35 +85,55 @@ class GroupsMixin:
             self._enginectl_group_table = groups
         return groups
 
+    def _enginectl_joins(self) -> dict[str, _Join]:
+        joins: dict[str, _Join] | None = getattr(self, "_enginectl_join_table", None)
+        if joins is None:
+            joins = {}
+            self._enginectl_join_table = joins
+        return joins
+
     def enginectl_init_group(self, spec_wire: Any) -> Any:
-        """Join the private group `spec` (own TCPStore + PrefixStore); vLLM's own process
-        groups are never touched. Answers a GroupJoined: the rank taken, or why not."""
+        """Start joining the private group `spec` (own TCPStore + PrefixStore) on a thread;
+        vLLM's own process groups are never touched. Answers at once a GroupJoined: `joining`,
+        or why not (the group exists here)."""
         spec = read(GroupSpec, spec_wire)
-        groups = self._enginectl_groups()
-        if spec.name in groups:
+        joins = self._enginectl_joins()
+        if spec.name in self._enginectl_groups() or spec.name in joins:
             return wire(GroupJoined(dp_rank(self), -1, GROUP_INIT_FAILED, f"group {spec.name!r} exists on this worker"))
-        rank = spec.rank_offset + global_rank(self)
-        started = time.monotonic()
-        device = "cpu"
-        try:
-            pg = _join(spec, rank)
-            if spec.backend == Backend.NCCL:
-                device = f"cuda:{torch.cuda.current_device()}"
-            # A first barrier-like broadcast proves every member joined before we answer.
-            probe = torch.zeros(1, dtype=torch.int64, device=device)
-            pg.broadcast(probe, 0).wait()
-        except Exception as exc:  # noqa: BLE001 - answered as this worker's failure
-            failure = (
-                Cause.GROUP_TIMEOUT.value if _timed_out(time.monotonic() - started, spec.timeout) else GROUP_INIT_FAILED
-            )
-            return wire(GroupJoined(dp_rank(self), rank, failure, f"{type(exc).__name__}: {exc}"))
-        groups[spec.name] = _Group(spec.name, pg, rank, spec.world_size, spec.timeout, device)
-        return wire(GroupJoined(dp_rank(self), rank))
+        join = _Join(spec, dp_rank(self), spec.rank_offset + global_rank(self))
+        join.thread = threading.Thread(target=_run_join, args=(join,), name=f"enginectl-join-{spec.name}", daemon=True)
+        joins[spec.name] = join
+        join.thread.start()
+        return wire(GroupJoined(dp_rank(self), join.rank, joining=True))
+
+    def enginectl_group_join_state(self, name: str) -> Any:
+        """How the join of `name` stands (a GroupJoined): still `joining`, the rank taken (the
+        group is usable from now on), or why it failed. Answers at once."""
+        groups, joins = self._enginectl_groups(), self._enginectl_joins()
+        join = joins.get(name)
+        if join is None:
+            group = groups.get(name)
+            if group is not None:
+                return wire(GroupJoined(dp_rank(self), group.rank))
+            return wire(GroupJoined(dp_rank(self), -1, GROUP_INIT_FAILED, f"no join of group {name!r} on this worker"))
+        outcome = join.outcome
+        if outcome is None:
+            return wire(GroupJoined(dp_rank(self), join.rank, joining=True))
+        del joins[name]
+        if isinstance(outcome, GroupJoined):
+            return wire(outcome)
+        groups[name] = outcome
+        return wire(GroupJoined(dp_rank(self), outcome.rank))
 
     def enginectl_destroy_group(self, name: str) -> bool:
+        """Leave `name`, or give up on its join (dropped when the join ends). Answers at once."""
+        join = self._enginectl_joins().pop(name, None)
+        if join is not None:
+            join.abandoned = True
+            _drop_abandoned(join)
         group = self._enginectl_groups().pop(name, None)
         if group is None:
-            return False
+            return join is not None
         group.buffers.clear()
         # Dropping the last reference closes gloo's connections (no collective needed).
         del group
@@ -214,12 +252,33 @@ def aligned(offset: int, dtype: str) -> bool:
     return offset % getattr(torch, dtype).itemsize == 0
 
 
-def _join(spec: GroupSpec, rank: int) -> Any:
-    """The process group `spec` with this worker as `rank` (blocks until every member joined,
-    or the timeout)."""
-    timeout = datetime.timedelta(seconds=spec.timeout)
-    with unbound():  # the store's and gloo's I/O threads start here, and move bytes only
-        return _new_group(spec, rank, timeout)
+def _run_join(join: _Join) -> None:
+    """The join thread: rendezvous, connect, and a first barrier-like broadcast that proves
+    every member joined. It only waits and moves bytes (worker/weights/cores.py)."""
+    unbind_this_thread()
+    spec = join.spec
+    started = time.monotonic()
+    device = "cpu"
+    try:
+        pg = _new_group(spec, join.rank, datetime.timedelta(seconds=spec.timeout))
+        if spec.backend == Backend.NCCL:
+            device = f"cuda:{torch.cuda.current_device()}"
+        probe = torch.zeros(1, dtype=torch.int64, device=device)
+        pg.broadcast(probe, 0).wait()
+    except Exception as exc:  # noqa: BLE001 - answered as this worker's failure
+        failure = (
+            Cause.GROUP_TIMEOUT.value if _timed_out(time.monotonic() - started, spec.timeout) else GROUP_INIT_FAILED
+        )
+        join.outcome = GroupJoined(join.dp_rank, join.rank, failure, f"{type(exc).__name__}: {exc}")
+        return
+    join.outcome = _Group(spec.name, pg, join.rank, spec.world_size, spec.timeout, device)
+    _drop_abandoned(join)
+
+
+def _drop_abandoned(join: _Join) -> None:
+    """A group joined after the server gave up on it is let go (its connections close)."""
+    if join.abandoned and isinstance(join.outcome, _Group):
+        join.outcome = None
 
 
 def _new_group(spec: GroupSpec, rank: int, timeout: datetime.timedelta) -> Any:
