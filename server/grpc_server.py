@@ -126,6 +126,7 @@ class ControlPlaneServer:
         self._engine_dead = False
         self._serving = False  # set_serving(True) was called (the server is up)
         self._quarantined = False  # an update failed part-way: the weights may be mixed
+        self._stopping = False  # stop() began
         if updates is not None:
             updates.generation.on_partial = self.set_quarantined
         self._interceptor = interceptor = RpcInterceptor(
@@ -209,7 +210,7 @@ class ControlPlaneServer:
         for name, add, cls in completed:
             add(cls(*arguments.get(name, ())), self._server)
         if rollouts is not None:
-            rollouts.add_to_server(self._server, ledger)
+            rollouts.add_to_server(self._server, ledger, self.unhealthy)
         enable_reflection((*self.service_names, health.SERVICE_NAME), self._server)
 
     def _server_info(self, engine: EngineInfo | None, auth: bool) -> weight_update_service_pb2.GetServerInfoResponse:
@@ -283,13 +284,27 @@ class ControlPlaneServer:
 
     async def set_quarantined(self, quarantined: bool) -> None:
         """An update failed part-way (or the engine holds its mixed weights again): NOT_SERVING
-        so routers and readiness probes take this server out, until an update succeeds or
-        ResumeGeneration(force=true) (docs/operations.md, "Quarantine")."""
+        so routers, gateways and readiness probes take this server out, until an update
+        succeeds. A forced resume lets generation run but keeps the quarantine
+        (docs/operations.md, "Quarantine")."""
         self._quarantined = quarantined
         await self._apply_health()
 
+    def unhealthy(self) -> str:
+        """Why this server is NOT_SERVING ("" while SERVING): what vLLM's VllmEngine/HealthCheck
+        reports too, since gateways (SMG) ask only that (server/rollouts.py)."""
+        if self._engine_dead:
+            return "the engine died"
+        if self._stopping:
+            return "the server is shutting down"
+        if self._quarantined:
+            return "quarantined: the last update failed part-way and the weights may be mixed"
+        if not self._serving:
+            return "not serving yet (starting, or awaiting its worker identity)"
+        return ""
+
     async def _apply_health(self) -> None:
-        serving = self._serving and not self._quarantined and not self._engine_dead
+        serving = not self.unhealthy()
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
@@ -312,6 +327,7 @@ class ControlPlaneServer:
 
     async def stop(self, grace: float) -> None:
         """Graceful stop: NOT_SERVING first, streams end with UNAVAILABLE, then the server."""
+        self._stopping = True
         await self.health.enter_graceful_shutdown()
         self.ledger.close()
         self.fpm_relay.close()

@@ -157,10 +157,28 @@ class RolloutRelay:
     """The `VllmEngine` servicer on the control loop: each RPC runs vLLM's servicer on the
     engine's loop and relays its answer; Generate adds the weight-version trailers."""
 
-    def __init__(self, servicer: Any, engine_loop: asyncio.AbstractEventLoop, ledger: WeightVersionLedger) -> None:
+    def __init__(
+        self,
+        servicer: Any,
+        engine_loop: asyncio.AbstractEventLoop,
+        ledger: WeightVersionLedger,
+        unhealthy: Callable[[], str],
+    ) -> None:
         self._servicer = servicer
         self._engine_loop = engine_loop
         self._ledger = ledger
+        self._unhealthy = unhealthy  # why gRPC health is NOT_SERVING ("" while SERVING)
+
+    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """vLLM's health check, unhealthy whenever the control plane's gRPC health is
+        NOT_SERVING (quarantine, awaiting identity, shutting down): a gateway that asks only
+        this (SMG) must take such an engine out of rotation too."""
+        why = self._unhealthy()
+        if why:
+            from smg_grpc_proto import vllm_engine_pb2
+
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=why)
+        return await self._unary("HealthCheck", request, context)
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         labels: list[str] = []
@@ -282,9 +300,11 @@ class RolloutService:
     def open(self, guard_all: bool) -> frozenset[str]:
         return open_methods(guard_all)
 
-    def add_to_server(self, server: grpc.aio.Server, ledger: WeightVersionLedger) -> None:
+    def add_to_server(self, server: grpc.aio.Server, ledger: WeightVersionLedger, unhealthy: Callable[[], str]) -> None:
+        """Serve VllmEngine on `server`; `unhealthy()` says why the control plane is
+        NOT_SERVING ("" while SERVING), which HealthCheck reports as unhealthy."""
         from smg_grpc_proto import vllm_engine_pb2_grpc
 
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-            _complete_relay()(self._servicer, self._engine_loop, ledger), server
+            _complete_relay()(self._servicer, self._engine_loop, ledger, unhealthy), server
         )

@@ -95,8 +95,12 @@ class Generation:
         self._on_pause = on_pause
         self.caller_paused = False  # PauseGeneration holds generation (until ResumeGeneration)
         self.partial = False  # held paused after a partial update (set through set_partial)
-        # Hears every change of `partial`, before the call that changed it answers: gRPC
-        # health goes NOT_SERVING while the weights may be mixed (the quarantine).
+        # The weights may be mixed: from a partial update until an update succeeds. A forced
+        # resume ends `partial` (generation runs) but not this: no router may take the engine
+        # for serving weights nobody can name (docs/operations.md, "Quarantine").
+        self.quarantined = False
+        # Hears every change of `quarantined`, before the call that changed it answers: gRPC
+        # health goes NOT_SERVING while the weights may be mixed.
         self.on_partial: Callable[[bool], Awaitable[None]] | None = None
         self.mode = ""  # the mode of the pause in effect ("" when running)
         self.pause_time: float | None = None
@@ -105,6 +109,8 @@ class Generation:
         self.ranks_at_update_start = [RankGenerationState(r, False) for r in range(ranks)]
 
     async def set_partial(self, partial: bool) -> None:
+        """True: an update failed part-way (generation held paused, quarantined); False: an
+        update succeeded (neither)."""
         changed = partial != self.partial
         self.partial = partial
         if changed and partial and self.utilities:
@@ -114,7 +120,9 @@ class Generation:
                 await self._engine.hold(PauseReason.PARTIAL_UPDATE)
             except ControlPlaneError:
                 log.exception("labelling the pause of a partial update failed")
-        if changed and self.on_partial is not None:
+        quarantine_changed = partial != self.quarantined
+        self.quarantined = partial
+        if quarantine_changed and self.on_partial is not None:
             await self.on_partial(partial)
 
     def _holder(self, reason: str) -> PauseReason:
@@ -313,6 +321,8 @@ class Generation:
             await self.resume_engine()
         was_paused = any(r.paused for r in ranks)
         self.caller_paused = False
-        await self.set_partial(False)
+        if self.partial:  # forced: generation runs over the mixed weights, still quarantined
+            self.partial = False
+            log.warning("generation resumed by force over weights a partial update left; health stays NOT_SERVING")
         after = [RankGenerationState(r.dp_rank, False, r.running, r.waiting) for r in ranks]
         return pb2.ResumeGenerationResponse(state=await self.state(after), was_paused=was_paused)

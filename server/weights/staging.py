@@ -10,7 +10,10 @@ Runs in the `enginectl serve` process, on the control loop. A `stage_only` updat
   never touched; the workers drop what they received).
 At most one set exists; it expires after the TTL and is bounded by `--max-staged-bytes`.
 CommitStagedWeights is an ordinary update of Source.STAGED (updates.py); this module only
-checks the name and drops the set when the commit succeeded.
+checks the name, marks the set as the commit's while it runs and drops it when the commit
+succeeded. While a commit applies the set, the commit wins: a discard is refused
+(FAILED_PRECONDITION STAGED_COMMITTING, naming the commit) and frees nothing, and the TTL waits
+for the commit to end; a failed commit keeps the set for another try (docs/weights.md).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ STAGED_PREFIX = "staged/"
 DEFAULT_TTL_S = 600.0
 REMEMBER_EXPIRED = 16  # names of expired sets kept, so a late commit hears "expired"
 QUIET_S = 2  # a stage whose progress channel is this quiet asks its workers how they are
+EXPIRY_RETRY_S = 1.0  # a set whose TTL passed during its commit expires this long after
 Feed = Callable[[UpdateChannels, UpdateOperation], Awaitable[None]]
 
 
@@ -73,6 +77,7 @@ class StagedSet:
     fingerprint: Fingerprint | None = None
     stage_time: float = 0.0  # time.time()
     expire_time: float = 0.0
+    committing: str = ""  # the Operation of the commit applying this set, while it runs
 
     def proto(self) -> pb2.StagedWeights:
         from enginectl.server.weights.version_service import fingerprint_proto
@@ -298,6 +303,23 @@ class Staging:
             )
         return staged
 
+    def check_committable(self, token: str) -> None:
+        """The set `token` a commit was planned for is still here (STAGED_WEIGHTS_NOT_FOUND)."""
+        if self.current is None or self.current.token != token:
+            raise _not_found(f"{STAGED_PREFIX}{token}")
+
+    def commit_started(self, token: str, operation: str) -> None:
+        """A commit of `token` starts (`operation`; check_committable passed): the set is the
+        commit's until it ends."""
+        assert self.current is not None and self.current.token == token
+        self.current.committing = operation
+
+    def commit_ended(self, token: str, operation: str) -> None:
+        """The commit `operation` of `token` ended (a successful one consumed the set already)."""
+        staged = self.current
+        if staged is not None and staged.token == token and staged.committing == operation:
+            staged.committing = ""
+
     async def committed(self, token: str) -> None:
         """A commit of `token` succeeded: the set is consumed (the workers keep the buffer for
         the next stage)."""
@@ -317,6 +339,13 @@ class Staging:
             if allow_missing:
                 return False, 0
             raise _not_found(name)
+        if staged.committing:
+            raise ControlPlaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                Reason.STAGED_COMMITTING,
+                f"{name} is being applied by {staged.committing}; nothing was freed (a failed commit keeps the set)",
+                metadata={"name": name, "operation": staged.committing},
+            )
         if not staged.ready:
             cancel(staged.operation)
         self._clear()
@@ -326,6 +355,9 @@ class Staging:
 
     def _expire(self, staged: StagedSet) -> None:
         if self.current is not staged:
+            return
+        if staged.committing:  # the commit applying it wins; expire once it ended (and failed)
+            self._expiry = asyncio.get_running_loop().call_later(EXPIRY_RETRY_S, self._expire, staged)
             return
         self._clear()
         self._expired[staged.name] = time.time()

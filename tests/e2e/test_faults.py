@@ -39,7 +39,7 @@ from support.fault_helpers import (
     EXIT_WITHIN_S,
     FAILED_WITHIN_S,
     HEALTH_SERVICES,
-    SERVING,
+    NOT_SERVING,
     WRITTEN_BYTES,
     Child,
     FirstLife,
@@ -395,8 +395,9 @@ def test_cancel_after_writing_began_holds_generation_until_a_forced_resume(
     resumed = stubs.updates.ResumeGeneration(upb.ResumeGenerationRequest(force=True), timeout=30)
     assert resumed.was_paused and not resumed.state.paused
     assert not stubs.state().paused
-    assert health(stubs) == {name: SERVING for name in HEALTH_SERVICES}  # the operator's call
     assert len(generated(fault_server, 8)) == 8  # generates again, with whatever weights it holds
+    # ... and stays quarantined: no router may take it for serving weights nobody can name.
+    assert health(stubs) == {name: NOT_SERVING for name in HEALTH_SERVICES}
     version = stubs.version()  # still not confident about them
     assert not version.declared and version.last_failure.cause == "UPDATE_CANCELLED"
     assert_recovers(stubs, fault_server, checkpoints, tokens_a)

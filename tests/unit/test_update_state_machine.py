@@ -236,11 +236,23 @@ async def test_a_partial_update_leaves_undeclared_paused_until_forced_or_reloade
 
 
 async def test_a_forced_resume_after_a_partial_update(updates: WeightUpdates, engine: EngineDouble) -> None:
+    heard: list[bool] = []
+
+    async def quarantine(on: bool) -> None:
+        heard.append(on)
+
+    updates.generation.on_partial = quarantine
     engine.script = LoadScript(error=Cause.LOAD_FAILED, modified=True)
     await finished(updates, (await updates.start(plan()))[0])
+    assert heard == [True]
     resumed = await updates.resume(pb2.ResumeGenerationRequest(force=True))
     assert resumed.was_paused and not engine.paused
     assert not (await updates.generation_state()).paused
+    # Generation runs, but the quarantine holds: the weights may still be mixed.
+    assert updates.generation.quarantined and heard == [True]
+    engine.script = LoadScript()
+    await finished(updates, (await updates.start(plan("v2")))[0])
+    assert not updates.generation.quarantined and heard == [True, False]
 
 
 async def test_a_declaration_accepted_during_an_update_applies_after_it(

@@ -454,8 +454,8 @@ class ResumeGenerationRequest(_message.Message):
     force: _builtins.bool
     """False (default): refuse with FAILED_PRECONDITION PARTIAL_UPDATE while the last update
     failed part-way. True: resume anyway and generate with possibly mixed weights; the
-    version stays undeclared and `last_failure` stays set until an update succeeds.
-    Ignored when no update failed part-way.
+    version stays undeclared, `last_failure` stays set and gRPC health stays NOT_SERVING
+    (the quarantine) until an update succeeds. Ignored when no update failed part-way.
     """
     def __init__(
         self,

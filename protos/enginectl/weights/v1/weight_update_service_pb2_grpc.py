@@ -381,6 +381,10 @@ class WeightUpdateServiceServicer:
         Errors:
         INVALID_ARGUMENT  STAGED_NAME_INVALID       `name` is not "staged/<id>".
         NOT_FOUND         STAGED_WEIGHTS_NOT_FOUND  no such set, unless `allow_missing`.
+        FAILED_PRECONDITION STAGED_COMMITTING     a CommitStagedWeights is applying the set
+        (ErrorInfo.metadata["operation"] names it);
+        nothing is freed. The commit wins; a failed
+        commit keeps the set.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

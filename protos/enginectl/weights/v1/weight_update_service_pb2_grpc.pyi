@@ -343,6 +343,10 @@ class WeightUpdateServiceStub:
     Errors:
       INVALID_ARGUMENT  STAGED_NAME_INVALID       `name` is not "staged/<id>".
       NOT_FOUND         STAGED_WEIGHTS_NOT_FOUND  no such set, unless `allow_missing`.
+      FAILED_PRECONDITION STAGED_COMMITTING     a CommitStagedWeights is applying the set
+                                                (ErrorInfo.metadata["operation"] names it);
+                                                nothing is freed. The commit wins; a failed
+                                                commit keeps the set.
     """
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_weight_update_service_pb2.GetServerInfoRequest, _weight_update_service_pb2.GetServerInfoResponse]
     """Describes this server: model, parallelism, update backends, auth, versions, limits and
@@ -593,6 +597,10 @@ class WeightUpdateServiceAsyncStub(WeightUpdateServiceStub):
     Errors:
       INVALID_ARGUMENT  STAGED_NAME_INVALID       `name` is not "staged/<id>".
       NOT_FOUND         STAGED_WEIGHTS_NOT_FOUND  no such set, unless `allow_missing`.
+      FAILED_PRECONDITION STAGED_COMMITTING     a CommitStagedWeights is applying the set
+                                                (ErrorInfo.metadata["operation"] names it);
+                                                nothing is freed. The commit wins; a failed
+                                                commit keeps the set.
     """
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_weight_update_service_pb2.GetServerInfoRequest, _weight_update_service_pb2.GetServerInfoResponse]  # type: ignore[assignment]
     """Describes this server: model, parallelism, update backends, auth, versions, limits and
@@ -906,6 +914,10 @@ class WeightUpdateServiceServicer(metaclass=_abc_1.ABCMeta):
         Errors:
           INVALID_ARGUMENT  STAGED_NAME_INVALID       `name` is not "staged/<id>".
           NOT_FOUND         STAGED_WEIGHTS_NOT_FOUND  no such set, unless `allow_missing`.
+          FAILED_PRECONDITION STAGED_COMMITTING     a CommitStagedWeights is applying the set
+                                                    (ErrorInfo.metadata["operation"] names it);
+                                                    nothing is freed. The commit wins; a failed
+                                                    commit keeps the set.
         """
 
     @_abc_1.abstractmethod
