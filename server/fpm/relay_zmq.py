@@ -20,12 +20,12 @@ millisecond at a time:
 A control call's every loop turn (gRPC's event, the call's task, the handler, the answer)
 thus waits behind a slice, not a whole wakeup: under twice the zero-loss rate offered,
 GetWeightVersion took 21 / 46 ms p50 / p99 with whole wakeups (2,048 frames) and 5.4 / 17 ms
-sliced, with the same delivery (bench/fpm.py, overload row).
+sliced, with the same delivery (bench/fpm/phase.py, overload row).
 
 A wakeup that leaves frames behind comes back after YIELD_S rather than at once: with
 back-to-back wakeups the loop thread never paused, gRPC's own threads and the readers ran
 late on the shared cores, stream writes stalled for hundreds of milliseconds and delivery
-fell to a fifth of capacity (bench/fpm.py, overload row; shorter pauses still lost a third
+fell to a fifth of capacity (bench/fpm/phase.py, overload row; shorter pauses still lost a third
 of it at 2x overload). When the backlog outgrows INTAKE_BACKLOG, its oldest frames are
 relayed with `coalesce=True`: sequenced and kept, offered as the latest per (worker_id,
 dp_rank), the rest counted in each subscriber's `missed` (relay.py): overload is shed, never

@@ -45,7 +45,7 @@ class Relayed:
 
     The parsed message is not kept: intake reads the three fields it needs and lets it go while
     it is still in the cache. Freeing ten thousand parsed messages later, as the ring evicted
-    them, cost the intake as much as parsing them (profiled under overload, bench/fpm.py).
+    them, cost the intake as much as parsing them (profiled under overload, bench/fpm/phase.py).
     `sample` parses the frame again for the few readers that want the message.
 
     Protobuf lets a serialized message be extended by appending fields, so stamping the

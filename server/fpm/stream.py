@@ -7,7 +7,7 @@ hands out into batch and progress messages; the rules live in relay.py.
 Batches go out pre-encoded: each sample's wire form is built once, by the first stream that
 sends it (samples.py `Relayed.stamp`), and shared by every stream, and a batch message is
 their concatenation (the same bytes protobuf would produce). With 8 subscribers at 50,000 samples/s, copying each sample into a message per
-stream and serializing it again was most of the relay's CPU (bench/fpm.py).
+stream and serializing it again was most of the relay's CPU (bench/fpm/phase.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""`enginectl serve` as a subprocess, for tests: bench/harness.py's ServeProcess, keeping every
+"""`enginectl serve` as a subprocess, for tests: bench/lib/harness.py's ServeProcess, keeping every
 output line (for `events()` and `wait_for_event()`) and failing the test where it would raise.
 
-Imported as `bench.harness`: pytest runs from the repository root (`make test`,
+Imported as `bench.lib.harness`: pytest runs from the repository root (`make test`,
 `.venv/bin/python -m pytest`), which puts the root on sys.path.
 """
 

@@ -35,7 +35,7 @@ from enginectl.worker.weights.channel import Abort
 
 SHM_DIR = "/dev/shm"
 # torch's RefcountedMapAllocator keeps the segment's reference count in front of the data,
-# padded to its alignment (tests/test_weights_ipc.py checks it against the torch in use).
+# padded to its alignment (tests/unit/test_weights_ipc.py checks it against the torch in use).
 SHM_HEADER_BYTES = 64
 MADV_POPULATE_READ = 22  # Linux >= 5.14; Python's mmap module does not name it
 SEGMENT = re.compile(SHM_SEGMENT_PATTERN)
