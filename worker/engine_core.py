@@ -1,9 +1,9 @@
-"""enginectl's weight-update utilities of vLLM's EngineCore, attached to the class at import.
+"""enginectl's weight-update utilities of vLLM's EngineCore, and its wrapped `collective_rpc`.
 
-Runs inside each EngineCore process: imported by enginectl's scheduler (worker/fpm/) and by
-the weight worker extension (the worker runs in the EngineCore process on single-worker
-engines). The `enginectl serve` process calls them on every rank, by the names of the engine
-contract (contract/engine.py `Utility`); they run on the engine thread, between two steps.
+Runs inside each EngineCore process, on the engine thread, between two steps. Importing this
+module changes nothing in vLLM: `attach()` (worker/attach.py) puts these functions on vLLM's
+EngineCore class. The `enginectl serve` process calls them on every rank, by the names of the
+engine contract (contract/engine.py `Utility`).
 
 They also keep the rank's generation state for its FPM samples (worker/fpm/generation.py,
 held by enginectl's scheduler; nothing to keep under another scheduler): who paused, and
@@ -37,8 +37,6 @@ from enginectl.contract.engine import (
     LateAnswer,
     PauseReason,
     RankGenerationState,
-    Utility,
-    VllmUtility,
     WorkerCall,
     WorkerRpc,
     read,
@@ -218,7 +216,8 @@ def _drain_late(executor: Any, rpc: str, timeout: float, queues: list[Any]) -> L
 _WORKER_RPCS = frozenset(rpc.value for rpc in WorkerRpc)
 
 
-# vLLM's own method (a second import of this module must not wrap the wrapper).
+# vLLM's own method, also when this module is imported again after attach() installed the
+# wrapper below: the wrapper must never wrap itself.
 _vllm_collective_rpc: Callable[..., list[Any]] = getattr(
     EngineCore.collective_rpc, "__wrapped__", EngineCore.collective_rpc
 )
@@ -241,6 +240,10 @@ def collective_rpc(
         return _vllm_collective_rpc(self, method, timeout, args, kwargs)
 
 
+# inspect.signature follows it: vLLM converts a utility's arguments by vLLM's own signature.
+collective_rpc.__wrapped__ = _vllm_collective_rpc  # type: ignore[attr-defined]
+
+
 @contextlib.contextmanager
 def _waiting_without_spin(core: EngineCore) -> Iterator[None]:
     """While a load runs (hundreds of ms), the engine thread waits for the workers' answers
@@ -261,13 +264,3 @@ def _waiting_without_spin(core: EngineCore) -> Iterator[None]:
     finally:
         for condition, busy_loop_s in zip(conditions, saved, strict=True):
             condition.busy_loop_s = busy_loop_s
-
-
-setattr(EngineCore, Utility.GENERATION_STATE.value, enginectl_generation_state)
-setattr(EngineCore, Utility.FINISH_UPDATE.value, enginectl_finish_update)
-setattr(EngineCore, Utility.PAUSE.value, enginectl_pause)
-setattr(EngineCore, Utility.RESUME.value, enginectl_resume)
-setattr(EngineCore, Utility.HOLD.value, enginectl_hold)
-setattr(EngineCore, Utility.WORKER_CALL.value, enginectl_worker_call)
-collective_rpc.__wrapped__ = _vllm_collective_rpc  # type: ignore[attr-defined]
-setattr(EngineCore, VllmUtility.COLLECTIVE_RPC.value, collective_rpc)

@@ -1,10 +1,11 @@
-"""Worker-identity utilities of vLLM's EngineCore, attached to the class at import.
+"""Worker-identity utilities of vLLM's EngineCore.
 
-Runs inside each EngineCore process (imported by scheduler.py, which the EngineCore loads as
-its scheduler). The `enginectl serve` process calls them on every rank by their names in the
-engine contract (Utility.SET_WORKER_IDENTITY, Utility.GET_WORKER_IDENTITY in
-contract/engine.py; server/engine.py makes the calls); they run on the engine thread, between
-steps. Each returns the rank's resulting identity, a RankIdentity in wire form.
+Runs inside each EngineCore process, on the engine thread, between steps. Importing this module
+changes nothing in vLLM: `attach()` (worker/attach.py, called by enginectl's scheduler) puts
+these functions on vLLM's EngineCore class. The `enginectl serve` process calls them on every
+rank by their names in the engine contract (Utility.SET_WORKER_IDENTITY,
+Utility.GET_WORKER_IDENTITY in contract/engine.py; server/engine.py makes the calls). Each
+returns the rank's resulting identity, a RankIdentity in wire form.
 
 An EngineCore that runs another scheduler has no identity: the utilities raise, and the
 server reports that rank as failed.
@@ -16,7 +17,7 @@ from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
-from enginectl.contract.engine import RankIdentity, Utility, wire
+from enginectl.contract.engine import RankIdentity, wire
 
 
 def _fpm_scheduler(core: EngineCore) -> Any:
@@ -47,7 +48,3 @@ def set_worker_identity(self: EngineCore, worker_id: str, generation: int) -> An
 def get_worker_identity(self: EngineCore) -> Any:
     """The identity this rank holds now."""
     return _answer(_fpm_scheduler(self))
-
-
-setattr(EngineCore, Utility.SET_WORKER_IDENTITY.value, set_worker_identity)
-setattr(EngineCore, Utility.GET_WORKER_IDENTITY.value, get_worker_identity)

@@ -5,8 +5,9 @@ vLLM's `scheduler_cls` to `make_scheduler`, which the EngineCore calls in place 
 it builds a subclass of exactly the scheduler vLLM would otherwise use (`AsyncScheduler`
 when async scheduling is on, `Scheduler` otherwise), so scheduling itself is unchanged.
 
-Importing this module also attaches the identity utilities to vLLM's EngineCore
-(engine_core.py here), so they exist in every process that runs this scheduler.
+Building it attaches enginectl's EngineCore utilities (worker/attach.py: the weight-update
+ones and the identity ones), so they exist in every EngineCore that runs this scheduler,
+before it answers any utility call. Importing this module changes nothing in vLLM.
 
 The scheduler holds the rank's RankGeneration (generation.py): every pause and resume, vLLM's
 own included, goes through `set_pause_state`, which tells it.
@@ -21,9 +22,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
-import enginectl.worker.engine_core  # (generation state, for weight updates)
-import enginectl.worker.fpm.engine_core  # noqa: F401  (attaches the identity utilities)
 from enginectl.contract.engine import EngineConfig
+from enginectl.worker.attach import attach
 from enginectl.worker.fpm.generation import RankGeneration
 from enginectl.worker.fpm.identity import WorkerIdentity
 from enginectl.worker.fpm.load import queued_load, scheduled_load
@@ -47,6 +47,7 @@ class FpmScheduler(Scheduler):
     fpm_publisher: FpmPublisher | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        attach()  # the EngineCore builds its scheduler before it answers any utility call
         self.fpm_generation = RankGeneration()  # before vLLM's init, which may set a pause state
         super().__init__(*args, **kwargs)
         engine_config = EngineConfig.load(self.vllm_config.additional_config)

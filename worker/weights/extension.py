@@ -17,6 +17,10 @@ Data and control reach the worker over ZMQ from the server (worker/weights/chann
 stream chunks and abort frames (CancelOperation, timeout, broken stream) in, progress out.
 An IPC update's tensors are the trainer's memory, mapped on this thread before loading and
 unmapped before the RPC answers (worker/weights/ipc.py).
+
+Building the worker attaches enginectl's EngineCore utilities (worker/attach.py): on
+single-worker engines the worker runs in the EngineCore process, which then has them even
+under another scheduler. Importing this module changes nothing in vLLM.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ from typing import Any
 
 import torch
 
-import enginectl.worker.engine_core  # noqa: F401  (attaches enginectl's EngineCore utilities)
 from enginectl.common import dtypes
 from enginectl.common.safetensors_header import parse_header
 from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, Source, TensorSpec, WorkerRpc, read, wire
+from enginectl.worker.attach import attach
 from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.fingerprints import FingerprintMixin, weight_access
 from enginectl.worker.weights.groups import GroupsMixin, aligned, typed_view
@@ -53,6 +57,13 @@ class _LoadState:
 
 class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin):
     """Mixed into vLLM's worker class (`--worker-extension-cls`); see the module docstring."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> EnginectlWorkerExtension:
+        # The extension's setup, when vLLM builds the worker (before any RPC, in the worker's
+        # process): vLLM's WorkerBase.__init__ calls no super().__init__, so a mixin's
+        # __init__ never runs, and every other method vLLM calls at init is the worker's own.
+        attach()
+        return super().__new__(cls)
 
     def enginectl_load(self, plan_wire: Any) -> Any:
         """Load the weights a LoadPlan names; answers this worker's LoadResult (never raises)."""
