@@ -45,11 +45,14 @@ for name, folder in dirs.items():
 endef
 export MYPY_TREE
 
-# Static checks: protos, generated code, lint, formatting, types.
+# Static checks: protos, generated code, lint, formatting, types, import rules. lint-imports
+# ([tool.importlinter]) reads the same build/mypy tree: the editable install's import hook shows
+# it only protos/enginectl as the enginectl package. No cache: the graph takes 0.1 s to build.
 check: check-protos mypy-tree
 	$(BIN)/ruff check $(PY_DIRS)
 	$(BIN)/ruff format --check $(PY_DIRS)
 	$(BIN)/mypy
+	PYTHONPATH=build/mypy $(BIN)/lint-imports --no-logo --no-cache
 
 test: install check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
