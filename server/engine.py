@@ -88,6 +88,10 @@ class EngineAdapter:
         self._llm = llm
         self._loop = loop  # the loop AsyncLLM and vLLM's HTTP server run on
         self._stopping = False  # set by `shutdown`: processes ending now are not a death
+        # Whether the EngineCores have enginectl's utilities (Utility.WORKER_CALL); learnt on
+        # the first worker call. A user's own scheduler on an engine whose workers run in
+        # processes of their own leaves them without (server/weights/updates.py `prepare`).
+        self._bounded: bool | None = None
         self._death_cause: str | None = None
         self._on_death: Callable[[str], None] | None = None
         # Resolved with the cause when the engine dies; made on the engine's loop by on_death.
@@ -255,6 +259,12 @@ class EngineAdapter:
         were drained; if they never came, that EngineCore stopped its executor and the engine
         is dead from here on."""
 
+        if not await self._has_worker_call():
+            # vLLM's own collective_rpc with no timeout: the EngineCore waits for every answer,
+            # so none can be late (every worker RPC answers in bounded time by construction).
+            per_rank = await self._call_all(VllmUtility.COLLECTIVE_RPC.value, rpc.value, None, args, None)
+            return [list(answers) for answers in per_rank]
+
         async def call() -> list[WorkerCall]:  # on the engine's loop
             answers = await self._all(Utility.WORKER_CALL.value, rpc.value, timeout, args)
             calls = [read(WorkerCall, answer) for answer in answers]
@@ -269,6 +279,12 @@ class EngineAdapter:
         """A group RPC, rank by rank (`_call_each`): each EngineCore bounds it by
         QUICK_RPC_TIMEOUT_S (the workers answer at once), the server waits `timeout` at most."""
 
+        if not await self._has_worker_call():  # as in `_workers`
+            plain = await self._call_each(
+                VllmUtility.COLLECTIVE_RPC.value, rpc.value, None, (arg,), None, timeout=timeout
+            )
+            return [o.map(list) for o in plain]
+
         async def call() -> list[RankOutcome[Any]]:  # on the engine's loop
             args = (rpc.value, QUICK_RPC_TIMEOUT_S, (arg,))
             outcomes = await _call_each(self._llm.engine_core, Utility.WORKER_CALL.value, args, timeout)
@@ -282,6 +298,19 @@ class EngineAdapter:
             raise _engine_dead("the engine has died")
         outcomes = await run_on(self._loop, call())
         return [o.map(lambda answer: _answers(read(WorkerCall, answer))) for o in outcomes]
+
+    async def _has_worker_call(self) -> bool:
+        """Whether the EngineCores have Utility.WORKER_CALL (asked once, by a cheap utility of
+        the same set: a scheduler that lacks one lacks them all)."""
+        if self._bounded is None:
+            try:
+                await self._call_all(Utility.GENERATION_STATE.value)
+                self._bounded = True
+            except ControlPlaneError:
+                if self.errored or self._death_cause is not None:
+                    raise
+                self._bounded = False
+        return self._bounded
 
     def _note_lost(self, call: WorkerCall) -> None:
         """On the engine's loop, as soon as the answer is in: a late answer that never came
