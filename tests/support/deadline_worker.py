@@ -32,5 +32,5 @@ class LateWorkerExtension(EnginectlWorkerExtension):
     def enginectl_init_group(self, spec_wire: Any) -> Any:
         name = read(GroupSpec, spec_wire).name
         if name.startswith(LATE_PREFIX):
-            time.sleep(float(name[len(LATE_PREFIX) :].split("-", 1)[0]))  # the fault: overstay on purpose
+            time.sleep(float(name[len(LATE_PREFIX) :].split("-", 1)[0]))  # ok-sleep: the fault, overstaying on purpose
         return super().enginectl_init_group(spec_wire)
