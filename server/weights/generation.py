@@ -18,16 +18,13 @@ from typing import Protocol
 
 import grpc
 import structlog
-from google.protobuf import duration_pb2
 
 from enginectl.contract.engine import PauseReason, RankGenerationState
-from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
-from enginectl.server.limits import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
+from enginectl.server.errors import ControlPlaneError, Reason
+from enginectl.server.limits import MAX_TIMEOUT_S
+from enginectl.server.weights.convert import PAUSE_MODE_PROTO, duration, parse_pause_mode, parse_timeout
 from enginectl.server.weights.operations import UpdateOperation
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
-
-PAUSE_MODES = {pb2.PAUSE_MODE_ABORT: "abort", pb2.PAUSE_MODE_WAIT: "wait", pb2.PAUSE_MODE_KEEP: "keep"}
-PAUSE_MODE_PROTO = {name: mode for mode, name in PAUSE_MODES.items()}
 
 log = structlog.get_logger("enginectl.generation")
 
@@ -50,39 +47,6 @@ class PauseEngine(Protocol):
     async def hold(self, reason: PauseReason) -> None: ...
 
     async def resume_reporting(self) -> list[RankGenerationState]: ...
-
-
-def duration(seconds: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(int(seconds * 1e9))
-    return d
-
-
-def parse_timeout(
-    field: str,
-    value: duration_pb2.Duration,
-    present: bool,
-    default: float = DEFAULT_TIMEOUT_S,
-    maximum: float = MAX_TIMEOUT_S,
-) -> float:
-    """A request's timeout in seconds: `default` when absent; TIMEOUT_INVALID unless in (0, maximum]."""
-    if not present:
-        return default
-    # Not ToTimedelta(): a Duration beyond timedelta's range (seconds near 2**63) raised
-    # OverflowError, which reached the caller as UNKNOWN.
-    seconds = value.ToNanoseconds() / 1e9
-    if seconds <= 0 or seconds > maximum:
-        raise invalid_field(Reason.TIMEOUT_INVALID, field, f"must be in (0, {maximum:.0f}s]")
-    return seconds
-
-
-def parse_pause_mode(field: str, mode: pb2.PauseMode.ValueType) -> str:
-    """ "abort", "wait" or "keep"; unset means KEEP, as the proto says."""
-    if mode == pb2.PAUSE_MODE_UNSPECIFIED:
-        return "keep"
-    if mode not in PAUSE_MODES:
-        raise invalid_field(Reason.PAUSE_MODE_INVALID, field, "must be ABORT, WAIT or KEEP")
-    return PAUSE_MODES[mode]
 
 
 class Generation:

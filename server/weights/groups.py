@@ -25,7 +25,7 @@ from enginectl.server.limits import (
     MAX_GROUPS,
     MAX_WORLD_SIZE,
 )
-from enginectl.server.weights.generation import parse_timeout
+from enginectl.server.weights.convert import parse_timeout
 from enginectl.server.weights.ipc import ipc_available
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 

@@ -13,7 +13,7 @@ import grpc
 
 from enginectl.contract.engine import Cause, LoadResult
 from enginectl.server.errors import ControlPlaneError, Reason
-from enginectl.server.weights.generation import duration
+from enginectl.server.weights.convert import duration, load_results_proto, weight_version_proto
 from enginectl.server.weights.ledger import VersionState
 from enginectl.server.weights.plans import UpdatePlan
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
@@ -91,11 +91,9 @@ def success_response(
     plan: UpdatePlan, state: VersionState, results: list[LoadResult], started: float, pause: UpdatePause, resumed: bool
 ) -> pb2.UpdateWeightsResponse:
     """The Operation's response: the new version, per-rank results, what the pause did."""
-    from enginectl.server.weights.version_service import weight_version_proto
-
     return pb2.UpdateWeightsResponse(
         weight_version=weight_version_proto(state),
-        ranks=per_rank(results),
+        ranks=load_results_proto(results),
         num_paused_requests=pause.in_flight if pause.by_update and plan.pause_mode == "keep" else 0,
         num_aborted_requests=pause.in_flight if pause.by_update and plan.pause_mode == "abort" else 0,
         prefix_cache_reset=plan.reset_cache,
@@ -103,17 +101,3 @@ def success_response(
         pause_duration=duration(pause.seconds),
         duration=duration(time.monotonic() - started),
     )
-
-
-def per_rank(results: list[LoadResult]) -> list[pb2.RankUpdateResult]:
-    """Workers' results folded per DP rank (TP workers of one rank added up)."""
-    ranks: dict[int, pb2.RankUpdateResult] = {}
-    seconds: dict[int, float] = {}
-    for r in results:
-        acc = ranks.setdefault(r.dp_rank, pb2.RankUpdateResult(dp_rank=r.dp_rank))
-        acc.tensors_loaded = max(acc.tensors_loaded, r.tensors_loaded)
-        acc.bytes_loaded += r.bytes_loaded
-        seconds[r.dp_rank] = max(seconds.get(r.dp_rank, 0.0), r.duration)
-    for rank, acc in ranks.items():
-        acc.duration.CopyFrom(duration(seconds[rank]))
-    return [ranks[k] for k in sorted(ranks)]

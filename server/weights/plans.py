@@ -30,20 +30,13 @@ from enginectl.server.limits import (
     MAX_VIOLATIONS,
 )
 from enginectl.server.weights.channels import UpdateChannels
+from enginectl.server.weights.convert import parse_pause_mode, parse_timeout
 from enginectl.server.weights.disk import TensorInfo, read_header, resolve_checkpoint
-from enginectl.server.weights.generation import parse_pause_mode, parse_timeout
 from enginectl.server.weights.groups import UpdateGroups, check_group_name
 from enginectl.server.weights.ipc import check_host, ipc_handles
 from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
-from enginectl.weights.v1 import weight_version_pb2 as wv_pb2
 
-SOURCE_PROTO = {
-    WeightSource.DISK: wv_pb2.WEIGHT_SOURCE_DISK,
-    WeightSource.DISTRIBUTED: wv_pb2.WEIGHT_SOURCE_DISTRIBUTED,
-    WeightSource.TENSORS: wv_pb2.WEIGHT_SOURCE_TENSORS,
-    WeightSource.IPC: wv_pb2.WEIGHT_SOURCE_IPC,
-}
 WORKER_SOURCE = {
     WeightSource.DISK: Source.DISK,
     WeightSource.TENSORS: Source.TENSORS,

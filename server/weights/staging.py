@@ -38,11 +38,17 @@ from enginectl.contract.engine import STAGED_DIGEST_METHOD, Cause, LoadPlan, Sta
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, to_status
 from enginectl.server.limits import RPC_GRACE_S
 from enginectl.server.weights.channels import UpdateChannels
-from enginectl.server.weights.generation import duration
+from enginectl.server.weights.convert import (
+    duration,
+    fingerprint_proto,
+    source_proto,
+    stage_results_proto,
+    weight_version_proto,
+)
 from enginectl.server.weights.ledger import Fingerprint, WeightVersionLedger
 from enginectl.server.weights.operations import UpdateOperation
 from enginectl.server.weights.outcome import UpdateFailed
-from enginectl.server.weights.plans import SOURCE_PROTO, UpdatePlan
+from enginectl.server.weights.plans import UpdatePlan
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 log = structlog.get_logger("enginectl.staging")
@@ -80,12 +86,10 @@ class StagedSet:
     committing: str = ""  # the Operation of the commit applying this set, while it runs
 
     def proto(self) -> pb2.StagedWeights:
-        from enginectl.server.weights.version_service import fingerprint_proto
-
         msg = pb2.StagedWeights(
             name=self.name,
             operation=self.operation,
-            source=SOURCE_PROTO[self.plan.source],
+            source=source_proto(self.plan.source),
             tensors=len(self.plan.tensors),
             bytes=self.plan.bytes_total,
         )
@@ -243,16 +247,9 @@ class Staging:
             self._on_bytes(staged.plan.bytes_total)
 
     def _response(self, staged: StagedSet, results: list[StageResult], started: float) -> pb2.UpdateWeightsResponse:
-        from enginectl.server.weights.version_service import weight_version_proto
-
-        ranks: dict[int, pb2.RankUpdateResult] = {}
-        for r in results:
-            rank = ranks.setdefault(r.dp_rank, pb2.RankUpdateResult(dp_rank=r.dp_rank))
-            rank.tensors_loaded = max(rank.tensors_loaded, r.tensors)
-            rank.bytes_loaded += r.nbytes
         return pb2.UpdateWeightsResponse(
             weight_version=weight_version_proto(self._ledger.state),
-            ranks=[ranks[k] for k in sorted(ranks)],
+            ranks=stage_results_proto(results),
             generation_resumed=True,
             duration=duration(time.monotonic() - started),
             staged=staged.proto(),

@@ -38,6 +38,7 @@ from enginectl.server.engine import EngineInfo
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, to_status
 from enginectl.server.limits import RPC_GRACE_S
 from enginectl.server.weights.channels import UpdateChannels
+from enginectl.server.weights.convert import source_proto
 from enginectl.server.weights.disk import TensorInfo
 from enginectl.server.weights.fingerprints import FingerprintEngine, WeightFingerprints
 from enginectl.server.weights.generation import Generation, PauseEngine
@@ -45,7 +46,7 @@ from enginectl.server.weights.groups import GroupEngine, UpdateGroups, backends
 from enginectl.server.weights.ledger import Fingerprint, WeightVersionLedger
 from enginectl.server.weights.operations import OperationStore, UpdateOperation
 from enginectl.server.weights.outcome import UpdateFailed, UpdatePause
-from enginectl.server.weights.plans import SOURCE_PROTO, UpdatePlan, UpdateValidator
+from enginectl.server.weights.plans import UpdatePlan, UpdateValidator
 from enginectl.server.weights.staging import DEFAULT_TTL_S, STAGED_PREFIX, Feed, StagedSet, Staging, StagingEngine
 from enginectl.server.weights.update_steps import UpdateSteps
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
@@ -244,7 +245,7 @@ class WeightUpdates(UpdateSteps):
         op_id = plan.request_id or str(uuid.uuid4())
         metadata = pb2.UpdateWeightsMetadata(
             phase=pb2.UPDATE_PHASE_VALIDATING,
-            source=SOURCE_PROTO[plan.source],
+            source=source_proto(plan.source),
             request_id=plan.request_id,
             tensors_total=len(plan.tensors),
             bytes_total=plan.bytes_total,

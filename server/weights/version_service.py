@@ -10,58 +10,15 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
-from google.protobuf import timestamp_pb2
 
 from enginectl.server.errors import ControlPlaneError, Reason
-from enginectl.server.weights.ledger import Fingerprint, LedgerClosed, VersionState, WeightVersionLedger
-from enginectl.weights.v1 import (
-    weight_version_pb2 as wv_pb2,
-)
-from enginectl.weights.v1 import (
-    weight_version_service_pb2 as pb2,
-)
-from enginectl.weights.v1 import (
-    weight_version_service_pb2_grpc as pb2_grpc,
-)
+from enginectl.server.weights.convert import weight_version_proto
+from enginectl.server.weights.ledger import LedgerClosed, VersionState, WeightVersionLedger
+from enginectl.weights.v1 import weight_version_service_pb2 as pb2
+from enginectl.weights.v1 import weight_version_service_pb2_grpc as pb2_grpc
 
 if TYPE_CHECKING:
     from enginectl.server.weights.updates import WeightUpdates
-
-
-def weight_version_proto(state: VersionState) -> wv_pb2.WeightVersion:
-    """The WeightVersion message for a ledger state."""
-    msg = wv_pb2.WeightVersion(
-        declared=state.declared,
-        revision=state.revision,
-        incarnation=state.incarnation,
-        etag=state.etag,
-        source=wv_pb2.WeightSource.Value(f"WEIGHT_SOURCE_{state.source.value}"),
-    )
-    if state.version is not None:
-        msg.version = state.version
-    if state.declare_time is not None:
-        stamp = timestamp_pb2.Timestamp()
-        stamp.FromNanoseconds(int(state.declare_time * 1e9))
-        msg.declare_time.CopyFrom(stamp)
-    if state.fingerprint is not None:
-        msg.fingerprint.CopyFrom(fingerprint_proto(state.fingerprint))
-    if state.last_failure is not None:
-        failure = state.last_failure
-        msg.last_failure.reason = failure.reason
-        msg.last_failure.cause = failure.cause
-        msg.last_failure.message = failure.message
-        msg.last_failure.attempted_version = failure.attempted_version
-        msg.last_failure.operation = failure.operation
-        msg.last_failure.time.FromNanoseconds(int(failure.time * 1e9))
-    return msg
-
-
-def fingerprint_proto(fingerprint: Fingerprint) -> wv_pb2.WeightFingerprint:
-    return wv_pb2.WeightFingerprint(
-        method=fingerprint.method,
-        digest=fingerprint.digest,
-        ranks=[wv_pb2.RankFingerprint(dp_rank=rank, digest=digest) for rank, digest in fingerprint.ranks],
-    )
 
 
 class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):

@@ -1,0 +1,136 @@
+"""Proto <-> domain conversions of the weights room: how a value of the version ledger, of an
+update or of the engine contract is written in a message of enginectl.weights.v1, and how a
+request's field is read into one.
+
+Runs in the `enginectl serve` process. Servicers (version_service.py, update_service.py) and
+cores (generation.py, groups.py, plans.py, outcome.py, staging.py) all import it, and it
+imports no other module of server/weights/ but the ledger (whose states it writes): no import
+circle can run through it. Which message an RPC answers with is its core's or servicer's
+business; how each value is spelled in it is this module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from enginectl.common.vocabulary import WeightSource
+from enginectl.contract.engine import LoadResult, StageResult
+from enginectl.server.errors import Reason, invalid_field
+from enginectl.server.limits import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
+from enginectl.server.weights.ledger import Fingerprint, VersionState
+from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+from enginectl.weights.v1 import weight_version_pb2 as wv_pb2
+
+PAUSE_MODES = {pb2.PAUSE_MODE_ABORT: "abort", pb2.PAUSE_MODE_WAIT: "wait", pb2.PAUSE_MODE_KEEP: "keep"}
+PAUSE_MODE_PROTO = {name: mode for mode, name in PAUSE_MODES.items()}
+
+# --- durations and timeouts -----------------------------------------------------------------
+
+
+def duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+def parse_timeout(
+    field: str,
+    value: duration_pb2.Duration,
+    present: bool,
+    default: float = DEFAULT_TIMEOUT_S,
+    maximum: float = MAX_TIMEOUT_S,
+) -> float:
+    """A request's timeout in seconds: `default` when absent; TIMEOUT_INVALID unless in (0, maximum]."""
+    if not present:
+        return default
+    # Not ToTimedelta(): a Duration beyond timedelta's range (seconds near 2**63) raised
+    # OverflowError, which reached the caller as UNKNOWN.
+    seconds = value.ToNanoseconds() / 1e9
+    if seconds <= 0 or seconds > maximum:
+        raise invalid_field(Reason.TIMEOUT_INVALID, field, f"must be in (0, {maximum:.0f}s]")
+    return seconds
+
+
+# --- pause modes ----------------------------------------------------------------------------
+
+
+def parse_pause_mode(field: str, mode: pb2.PauseMode.ValueType) -> str:
+    """ "abort", "wait" or "keep"; unset means KEEP, as the proto says."""
+    if mode == pb2.PAUSE_MODE_UNSPECIFIED:
+        return "keep"
+    if mode not in PAUSE_MODES:
+        raise invalid_field(Reason.PAUSE_MODE_INVALID, field, "must be ABORT, WAIT or KEEP")
+    return PAUSE_MODES[mode]
+
+
+# --- versions -------------------------------------------------------------------------------
+
+
+def source_proto(source: WeightSource) -> wv_pb2.WeightSource.ValueType:
+    """The proto's WeightSource of the same name (WEIGHT_SOURCE_<name>)."""
+    return wv_pb2.WeightSource.Value(f"WEIGHT_SOURCE_{source.value}")
+
+
+def weight_version_proto(state: VersionState) -> wv_pb2.WeightVersion:
+    """The WeightVersion message for a ledger state."""
+    msg = wv_pb2.WeightVersion(
+        declared=state.declared,
+        revision=state.revision,
+        incarnation=state.incarnation,
+        etag=state.etag,
+        source=source_proto(state.source),
+    )
+    if state.version is not None:
+        msg.version = state.version
+    if state.declare_time is not None:
+        stamp = timestamp_pb2.Timestamp()
+        stamp.FromNanoseconds(int(state.declare_time * 1e9))
+        msg.declare_time.CopyFrom(stamp)
+    if state.fingerprint is not None:
+        msg.fingerprint.CopyFrom(fingerprint_proto(state.fingerprint))
+    if state.last_failure is not None:
+        failure = state.last_failure
+        msg.last_failure.reason = failure.reason
+        msg.last_failure.cause = failure.cause
+        msg.last_failure.message = failure.message
+        msg.last_failure.attempted_version = failure.attempted_version
+        msg.last_failure.operation = failure.operation
+        msg.last_failure.time.FromNanoseconds(int(failure.time * 1e9))
+    return msg
+
+
+def fingerprint_proto(fingerprint: Fingerprint) -> wv_pb2.WeightFingerprint:
+    return wv_pb2.WeightFingerprint(
+        method=fingerprint.method,
+        digest=fingerprint.digest,
+        ranks=[wv_pb2.RankFingerprint(dp_rank=rank, digest=digest) for rank, digest in fingerprint.ranks],
+    )
+
+
+# --- per-rank results -----------------------------------------------------------------------
+
+
+def load_results_proto(results: Iterable[LoadResult]) -> list[pb2.RankUpdateResult]:
+    """Workers' load results folded per DP rank (TP workers of one rank added up)."""
+    ranks: dict[int, pb2.RankUpdateResult] = {}
+    seconds: dict[int, float] = {}
+    for r in results:
+        acc = ranks.setdefault(r.dp_rank, pb2.RankUpdateResult(dp_rank=r.dp_rank))
+        acc.tensors_loaded = max(acc.tensors_loaded, r.tensors_loaded)
+        acc.bytes_loaded += r.bytes_loaded
+        seconds[r.dp_rank] = max(seconds.get(r.dp_rank, 0.0), r.duration)
+    for rank, acc in ranks.items():
+        acc.duration.CopyFrom(duration(seconds[rank]))
+    return [ranks[k] for k in sorted(ranks)]
+
+
+def stage_results_proto(results: Iterable[StageResult]) -> list[pb2.RankUpdateResult]:
+    """Workers' stage results folded per DP rank, as load_results_proto (without a duration)."""
+    ranks: dict[int, pb2.RankUpdateResult] = {}
+    for r in results:
+        rank = ranks.setdefault(r.dp_rank, pb2.RankUpdateResult(dp_rank=r.dp_rank))
+        rank.tensors_loaded = max(rank.tensors_loaded, r.tensors)
+        rank.bytes_loaded += r.nbytes
+    return [ranks[k] for k in sorted(ranks)]
