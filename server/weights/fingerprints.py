@@ -19,21 +19,11 @@ import asyncio
 import hashlib
 import uuid
 from collections.abc import Sequence
-from typing import Protocol
 
 from enginectl.contract.engine import DigestJob, DigestSlice, WorkerDigest
+from enginectl.server.weights.engine_protocols import FingerprintEngine
 from enginectl.server.weights.ledger import Fingerprint, VersionState
 from enginectl.weights.v1 import weight_version_service_pb2 as wvs_pb2
-
-
-class FingerprintEngine(Protocol):
-    """What WeightFingerprints needs of the engine (server/engine.py EngineAdapter)."""
-
-    async def fingerprint(self) -> list[list[WorkerDigest]]: ...
-
-    async def declare_fingerprint(self, token: str) -> list[list[WorkerDigest]]: ...
-
-    async def full_digest(self, job: DigestJob, token: str) -> list[list[DigestSlice]]: ...
 
 
 class WeightFingerprints:

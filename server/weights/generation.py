@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 import grpc
 import structlog
@@ -23,30 +22,11 @@ from enginectl.contract.engine import PauseReason, RankGenerationState
 from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.limits import MAX_TIMEOUT_S
 from enginectl.server.weights.convert import PAUSE_MODE_PROTO, duration, parse_pause_mode, parse_timeout
+from enginectl.server.weights.engine_protocols import PauseEngine
 from enginectl.server.weights.operations import UpdateOperation
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 log = structlog.get_logger("enginectl.generation")
-
-
-class PauseEngine(Protocol):
-    """What Generation needs of the engine (server/engine.py EngineAdapter)."""
-
-    async def generation_state(self) -> list[RankGenerationState]: ...
-
-    async def is_paused(self) -> list[bool]: ...
-
-    async def pause(self, mode: str, clear_cache: bool) -> None: ...
-
-    async def resume(self) -> None: ...
-
-    async def pause_reporting(
-        self, mode: str, clear_cache: bool, reason: PauseReason = PauseReason.CALLER, if_running: bool = False
-    ) -> list[RankGenerationState]: ...
-
-    async def hold(self, reason: PauseReason) -> None: ...
-
-    async def resume_reporting(self) -> list[RankGenerationState]: ...
 
 
 class Generation:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Final, Protocol
+from typing import Final
 
 import grpc
 import structlog
 
 from enginectl.contract.engine import Backend, GroupJoined, GroupSpec, RankFailure
-from enginectl.server.engine import EngineInfo, RankOutcome
+from enginectl.server.engine import RankOutcome
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.limits import (
     DEFAULT_GROUP_TIMEOUT_S,
@@ -26,6 +26,7 @@ from enginectl.server.limits import (
     MAX_WORLD_SIZE,
 )
 from enginectl.server.weights.convert import parse_timeout
+from enginectl.server.weights.engine_protocols import GroupEngine
 from enginectl.server.weights.ipc import ipc_available
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
@@ -41,18 +42,6 @@ JOIN_POLL_MAX_S: Final = 0.1
 
 # Causes after which a group can not be trusted again: the server destroys it.
 BREAKING_CAUSES = frozenset({"GROUP_TIMEOUT", "STREAM_BROKEN", "UPDATE_CANCELLED", "GROUP_BROKEN"})
-
-
-class GroupEngine(Protocol):
-    """What UpdateGroups needs of the engine (server/engine.py EngineAdapter)."""
-
-    info: EngineInfo
-
-    async def init_group(self, spec: GroupSpec, timeout: float) -> list[RankOutcome[list[GroupJoined]]]: ...
-
-    async def group_join_state(self, name: str, timeout: float) -> list[RankOutcome[list[GroupJoined]]]: ...
-
-    async def destroy_group(self, name: str) -> None: ...
 
 
 def check_group_name(name: str, field: str = "group_name") -> None:

@@ -26,7 +26,6 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import grpc
 import msgspec
@@ -34,7 +33,7 @@ import structlog
 import zmq.asyncio
 
 from enginectl.contract import frames
-from enginectl.contract.engine import STAGED_DIGEST_METHOD, Cause, LoadPlan, StageAck, StageResult
+from enginectl.contract.engine import STAGED_DIGEST_METHOD, Cause, StageResult
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, to_status
 from enginectl.server.limits import RPC_GRACE_S
 from enginectl.server.weights.channels import UpdateChannels
@@ -45,6 +44,7 @@ from enginectl.server.weights.convert import (
     stage_results_proto,
     weight_version_proto,
 )
+from enginectl.server.weights.engine_protocols import StagingEngine
 from enginectl.server.weights.ledger import Fingerprint, WeightVersionLedger
 from enginectl.server.weights.operations import UpdateOperation
 from enginectl.server.weights.outcome import UpdateFailed
@@ -59,16 +59,6 @@ REMEMBER_EXPIRED = 16  # names of expired sets kept, so a late commit hears "exp
 QUIET_S = 2  # a stage whose progress channel is this quiet asks its workers how they are
 EXPIRY_RETRY_S = 1.0  # a set whose TTL passed during its commit expires this long after
 Feed = Callable[[UpdateChannels, UpdateOperation], Awaitable[None]]
-
-
-class StagingEngine(Protocol):
-    """What staging needs of the engine (server/engine.py EngineAdapter)."""
-
-    async def stage(self, plan: LoadPlan) -> list[list[StageAck]]: ...
-
-    async def stage_result(self, token: str) -> list[list[StageResult]]: ...
-
-    async def discard_staged(self, token: str, free: bool) -> int: ...
 
 
 @dataclass

@@ -13,12 +13,12 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import structlog
 
 from enginectl.contract.engine import UNDECLARED_LABEL, Cause, FinishUpdate, LoadResult, PauseReason
 from enginectl.server.errors import ControlPlaneError, Reason, to_status
+from enginectl.server.weights.engine_protocols import UpdateEngine
 from enginectl.server.weights.fingerprints import WeightFingerprints
 from enginectl.server.weights.generation import Generation
 from enginectl.server.weights.groups import BREAKING_CAUSES, UpdateGroups
@@ -27,9 +27,6 @@ from enginectl.server.weights.operations import UpdateOperation
 from enginectl.server.weights.outcome import UpdateFailed, UpdatePause, success_response
 from enginectl.server.weights.plans import UpdatePlan
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
-
-if TYPE_CHECKING:
-    from enginectl.server.weights.updates import UpdateEngine
 
 log = structlog.get_logger("enginectl.updates")
 

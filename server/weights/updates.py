@@ -21,56 +21,31 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import grpc
 import structlog
 import zmq.asyncio
 
-from enginectl.contract.engine import (
-    Cause,
-    FinishUpdate,
-    LoadPlan,
-    LoadResult,
-    WorkerDigest,
-)
-from enginectl.server.engine import EngineInfo
+from enginectl.contract.engine import Cause, LoadResult
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, to_status
 from enginectl.server.limits import RPC_GRACE_S
 from enginectl.server.weights.channels import UpdateChannels
 from enginectl.server.weights.convert import source_proto
 from enginectl.server.weights.disk import TensorInfo
-from enginectl.server.weights.fingerprints import FingerprintEngine, WeightFingerprints
-from enginectl.server.weights.generation import Generation, PauseEngine
-from enginectl.server.weights.groups import GroupEngine, UpdateGroups, backends
+from enginectl.server.weights.engine_protocols import UpdateEngine
+from enginectl.server.weights.fingerprints import WeightFingerprints
+from enginectl.server.weights.generation import Generation
+from enginectl.server.weights.groups import UpdateGroups, backends
 from enginectl.server.weights.ledger import Fingerprint, WeightVersionLedger
 from enginectl.server.weights.operations import OperationStore, UpdateOperation
 from enginectl.server.weights.outcome import UpdateFailed, UpdatePause
 from enginectl.server.weights.plans import UpdatePlan, UpdateValidator
-from enginectl.server.weights.staging import DEFAULT_TTL_S, STAGED_PREFIX, Feed, StagedSet, Staging, StagingEngine
+from enginectl.server.weights.staging import DEFAULT_TTL_S, STAGED_PREFIX, Feed, StagedSet, Staging
 from enginectl.server.weights.update_steps import UpdateSteps
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_service_pb2 as wvs_pb2
 
 log = structlog.get_logger("enginectl.updates")
-
-
-class UpdateEngine(PauseEngine, GroupEngine, FingerprintEngine, StagingEngine, Protocol):
-    """What weight updates need of the engine (server/engine.py EngineAdapter, or the
-    in-memory double of tests/support/engine_double.py)."""
-
-    info: EngineInfo
-
-    async def load(self, plan: LoadPlan, timeout: float) -> list[LoadResult]: ...
-
-    async def finish_update(self, request: FinishUpdate) -> list[list[WorkerDigest]]: ...
-
-    async def reset_prefix_cache(self) -> None: ...
-
-    async def set_weight_version(self, version: str) -> None: ...
-
-    @property
-    def errored(self) -> bool: ...
 
 
 class WeightUpdates(UpdateSteps):

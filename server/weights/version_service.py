@@ -7,18 +7,15 @@ raised as ControlPlaneError become google.rpc.Status in the interceptor.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import grpc
 
 from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.weights.convert import weight_version_proto
 from enginectl.server.weights.ledger import LedgerClosed, VersionState, WeightVersionLedger
+from enginectl.server.weights.updates import WeightUpdates
 from enginectl.weights.v1 import weight_version_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_service_pb2_grpc as pb2_grpc
-
-if TYPE_CHECKING:
-    from enginectl.server.weights.updates import WeightUpdates
 
 
 class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
