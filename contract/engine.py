@@ -27,6 +27,8 @@ from typing import Any, Final, TypeVar
 
 import msgspec
 
+from enginectl.common.vocabulary import Reason, WeightSource
+
 T = TypeVar("T")
 
 
@@ -108,23 +110,24 @@ class WorkerRpc(str, enum.Enum):
 
 class Cause(str, enum.Enum):
     """Why the engine side stopped an update (the operation's error reason; a partial update
-    carries it in its metadata). The values are stable reasons of the public API."""
+    carries it in its metadata). Each value is the public API's Reason of that name
+    (common/vocabulary.py), not a copy of it: the reasons an update can fail with."""
 
-    UPDATE_TIMEOUT = "UPDATE_TIMEOUT"
-    GROUP_TIMEOUT = "GROUP_TIMEOUT"
-    UPDATE_CANCELLED = "UPDATE_CANCELLED"
-    STREAM_BROKEN = "STREAM_BROKEN"
-    DATA_SIZE_MISMATCH = "DATA_SIZE_MISMATCH"
-    CHUNK_OUT_OF_ORDER = "CHUNK_OUT_OF_ORDER"
-    CHUNK_TOO_LARGE = "CHUNK_TOO_LARGE"
-    HEADER_REQUIRED = "HEADER_REQUIRED"
-    GROUP_NOT_FOUND = "GROUP_NOT_FOUND"
-    GROUP_BROKEN = "GROUP_BROKEN"
-    ENGINE_DEAD = "ENGINE_DEAD"
-    ETAG_MISMATCH = "ETAG_MISMATCH"
-    LOAD_FAILED = "LOAD_FAILED"
-    IPC_HANDLE_UNAVAILABLE = "IPC_HANDLE_UNAVAILABLE"  # a worker could not map a handle
-    WORKER_TIMEOUT = "WORKER_TIMEOUT"  # a worker RPC outlived its timeout (its answer was dropped)
+    UPDATE_TIMEOUT = Reason.UPDATE_TIMEOUT
+    GROUP_TIMEOUT = Reason.GROUP_TIMEOUT
+    UPDATE_CANCELLED = Reason.UPDATE_CANCELLED
+    STREAM_BROKEN = Reason.STREAM_BROKEN
+    DATA_SIZE_MISMATCH = Reason.DATA_SIZE_MISMATCH
+    CHUNK_OUT_OF_ORDER = Reason.CHUNK_OUT_OF_ORDER
+    CHUNK_TOO_LARGE = Reason.CHUNK_TOO_LARGE
+    HEADER_REQUIRED = Reason.HEADER_REQUIRED
+    GROUP_NOT_FOUND = Reason.GROUP_NOT_FOUND
+    GROUP_BROKEN = Reason.GROUP_BROKEN
+    ENGINE_DEAD = Reason.ENGINE_DEAD
+    ETAG_MISMATCH = Reason.ETAG_MISMATCH
+    LOAD_FAILED = Reason.LOAD_FAILED
+    IPC_HANDLE_UNAVAILABLE = Reason.IPC_HANDLE_UNAVAILABLE  # a worker could not map a handle
+    WORKER_TIMEOUT = Reason.WORKER_TIMEOUT  # a worker RPC outlived its timeout (its answer was dropped)
 
 
 class RankFailure(str, enum.Enum):
@@ -173,11 +176,22 @@ class FinishUpdate(msgspec.Struct, frozen=True):
 
 
 class Source(str, enum.Enum):
+    """What a worker loads from (LoadPlan.source; these lower-case values are what the wire
+    carries). Not common/vocabulary.py's WeightSource, which says how the version in effect
+    was declared (DECLARED, UNSPECIFIED) and has no STAGED: an update of WeightSource X loads
+    from Source X (`of`, the one mapping between them), a commit from STAGED."""
+
     DISK = "disk"
     TENSORS = "tensors"
     DISTRIBUTED = "distributed"
     IPC = "ipc"
     STAGED = "staged"  # a commit: the tensors staged under LoadPlan.stage_token
+
+    @classmethod
+    def of(cls, source: WeightSource) -> Source:
+        """What the workers of an update of `source` load from (KeyError for DECLARED and
+        UNSPECIFIED, which no update has)."""
+        return cls[source.name]
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -309,7 +323,7 @@ class GroupJoined(msgspec.Struct, frozen=True):
 
     dp_rank: int
     rank: int
-    failure: str = ""  # "", or Cause.GROUP_TIMEOUT / "GROUP_INIT_FAILED"
+    failure: str = ""  # "", or Cause.GROUP_TIMEOUT / Reason.GROUP_INIT_FAILED
     message: str = ""
     joining: bool = False  # the join runs on the worker's thread: ask again
 

@@ -15,7 +15,7 @@ from typing import Final
 import grpc
 import structlog
 
-from enginectl.contract.engine import Backend, GroupJoined, GroupSpec, RankFailure
+from enginectl.contract.engine import Backend, Cause, GroupJoined, GroupSpec, RankFailure
 from enginectl.server.engine import RankOutcome
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.limits import (
@@ -41,7 +41,9 @@ JOIN_POLL_FIRST_S: Final = 0.005
 JOIN_POLL_MAX_S: Final = 0.1
 
 # Causes after which a group can not be trusted again: the server destroys it.
-BREAKING_CAUSES = frozenset({"GROUP_TIMEOUT", "STREAM_BROKEN", "UPDATE_CANCELLED", "GROUP_BROKEN"})
+BREAKING_CAUSES = frozenset(
+    c.value for c in (Cause.GROUP_TIMEOUT, Cause.STREAM_BROKEN, Cause.UPDATE_CANCELLED, Cause.GROUP_BROKEN)
+)
 
 
 def check_group_name(name: str, field: str = "group_name") -> None:

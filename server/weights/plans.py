@@ -37,13 +37,6 @@ from enginectl.server.weights.ipc import check_host, ipc_handles
 from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
-WORKER_SOURCE = {
-    WeightSource.DISK: Source.DISK,
-    WeightSource.TENSORS: Source.TENSORS,
-    WeightSource.DISTRIBUTED: Source.DISTRIBUTED,
-    WeightSource.IPC: Source.IPC,
-}
-
 
 @dataclass
 class UpdatePlan:
@@ -75,7 +68,7 @@ class UpdatePlan:
         """What every worker is asked to load, through `channels` (a commit: from the staged
         set `stage_token`)."""
         return LoadPlan(
-            source=Source.STAGED if self.stage_token else WORKER_SOURCE[self.source],
+            source=Source.STAGED if self.stage_token else Source.of(self.source),
             files=tuple(str(f) for f in self.files),
             tensors=self.specs(),
             group=self.group,
