@@ -40,9 +40,17 @@ if TYPE_CHECKING:
     from enginectl.server.grpc_server import ControlPlaneServer, TlsConfig
     from enginectl.server.rollouts import RolloutService
     from enginectl.server.weights.ledger import Fingerprint
-    from enginectl.server.weights.update_service import StagingLimits
 
-from enginectl.server.serve_args import check_port_free, configure_logging, parse_args, security
+from enginectl.server.serve_args import (
+    StagingLimits,
+    allowed_roots,
+    check_port_free,
+    configure_engine_args,
+    configure_logging,
+    parse_args,
+    security,
+    staging_limits,
+)
 
 log = structlog.get_logger("enginectl.serve")
 
@@ -242,7 +250,6 @@ async def serve(args: argparse.Namespace) -> int:
     from enginectl.server.engine_processes import adopt_orphans
     from enginectl.server.fpm.identity_gate import configure_identity
     from enginectl.server.fpm.relay_zmq import FpmRelayHost
-    from enginectl.server.weights.update_service import allowed_roots, configure_engine_args, staging_limits
 
     grpc_port, args.grpc_port = args.grpc_port, None  # see build_parser
     token, tls = security(args)

@@ -7,11 +7,8 @@ interceptor.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from google.longrunning import operations_pb2
@@ -22,68 +19,9 @@ from enginectl.server.interceptors import caller_authenticated
 from enginectl.server.limits import MAX_CHUNK_BYTES
 from enginectl.server.weights.channels import UpdateChannels
 from enginectl.server.weights.operations import UpdateOperation
-from enginectl.server.weights.staging import DEFAULT_TTL_S
 from enginectl.server.weights.updates import WeightUpdates
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
-
-WORKER_EXTENSION = "enginectl.worker.weights.extension.EnginectlWorkerExtension"
-
-
-def add_weight_update_args(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--allow-weights-from",
-        dest="allow_weights_from",
-        action="append",
-        type=Path,
-        default=[],
-        metavar="DIR",
-        help="A directory UpdateWeightsFromDisk may load from (repeatable). Real paths are "
-        "checked, symlinks resolved. Default: the directory holding the served model.",
-    )
-
-    group.add_argument(
-        "--max-staged-bytes",
-        type=int,
-        default=None,
-        metavar="BYTES",
-        help="Largest set a stage_only update may hold, per worker (default: the served model's "
-        "size). A bigger stage is refused with RESOURCE_EXHAUSTED before anything is received.",
-    )
-    group.add_argument(
-        "--staged-weights-ttl",
-        type=float,
-        default=DEFAULT_TTL_S,
-        metavar="SECONDS",
-        help=f"A staged set not committed or discarded within this long is dropped (default {DEFAULT_TTL_S:.0f}).",
-    )
-
-
-@dataclass(frozen=True)
-class StagingLimits:
-    max_bytes: int | None  # None: the served model's size
-    ttl: float
-
-
-def staging_limits(args: argparse.Namespace) -> StagingLimits:
-    if args.max_staged_bytes is not None and args.max_staged_bytes < 0:
-        raise SystemExit("enginectl serve: --max-staged-bytes must be >= 0")
-    if args.staged_weights_ttl <= 0:
-        raise SystemExit("enginectl serve: --staged-weights-ttl must be > 0")
-    return StagingLimits(args.max_staged_bytes, args.staged_weights_ttl)
-
-
-def configure_engine_args(args: argparse.Namespace) -> None:
-    """Before the engine starts: every worker gets enginectl's weight extension."""
-    if not getattr(args, "worker_extension_cls", None):
-        args.worker_extension_cls = WORKER_EXTENSION
-
-
-def allowed_roots(args: argparse.Namespace, model: str) -> list[Path]:
-    roots = [Path(p).resolve() for p in args.allow_weights_from]
-    if not roots and Path(model).is_dir():
-        roots = [Path(model).resolve().parent]
-    return roots
 
 
 class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
