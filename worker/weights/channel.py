@@ -16,9 +16,9 @@ from enginectl.worker.weights.cores import unbound
 
 PROGRESS_INTERVAL_S = 0.05
 POLL_MS = 20
-# check() looks for an abort frame at most this often: a poll costs ~10 us inside vLLM's
-# reload, 5 ms of a 489-tensor load when made per tensor. An abort waits at most this long
-# (plus the tensor being loaded) to be seen.
+# check() looks for an abort frame at most this often, not per tensor: polling per tensor
+# adds up to a visible share of a load (bench/README.md, "Measurements behind the constants").
+# An abort waits at most this long (plus the tensor being loaded) to be seen.
 ABORT_POLL_S = 0.01
 
 

@@ -39,7 +39,9 @@ from enginectl.contract.engine import DigestJob, DigestSlice, WorkerDigest, wire
 from enginectl.worker.weights.ranks import dp_rank
 
 SAMPLE_ELEMENTS = 256  # per tensor, in the default (sampled) fingerprint
-SLICE_BYTES = 32 << 20  # of the full digest per round trip (~5 ms at CRC32's ~7 GB/s here)
+# Of the full digest per round trip: a few milliseconds of CRC32, so a slice never holds the
+# engine's RPC thread long (bench/README.md, "Measurements behind the constants").
+SLICE_BYTES = 32 << 20
 SLICE_SECONDS = 0.008  # a slice also stops after this long, whatever its byte count
 
 

@@ -14,7 +14,8 @@ of worker/weights/fingerprints.py, "who may touch the weights"):
 
 The staging buffer holds the tensors' bytes back to back in plan order (the tensor stream's
 own layout, so its chunks land in place), and is kept for the next stage: fresh pages fill
-about 7x slower than reused ones on a busy host (docs/weights.md, "Two-phase updates").
+far slower than reused ones (docs/weights.md, "Two-phase updates"; the measurement is in
+bench/README.md, "Measurements behind the constants").
 """
 
 from __future__ import annotations
