@@ -29,9 +29,8 @@ from enginectl.server.interceptors import BearerToken, RpcInterceptor
 from enginectl.server.limits import MAX_MESSAGE_BYTES
 from enginectl.server.reflection import enable_reflection
 from enginectl.server.weights.ledger import WeightVersionLedger
-from enginectl.server.weights.operations import OperationsServicer, OperationStore
-from enginectl.server.weights.update_service import WeightUpdateServicer
-from enginectl.server.weights.version_service import WeightVersionServicer
+from enginectl.server.weights.operations import OperationStore
+from enginectl.server.weights.services import OperationsServicer, WeightUpdateServicer, WeightVersionServicer
 from enginectl.weights.v1 import (
     weight_update_service_pb2,
     weight_update_service_pb2_grpc,

@@ -2,7 +2,7 @@
 update or of the engine contract is written in a message of enginectl.weights.v1, and how a
 request's field is read into one.
 
-Runs in the `enginectl serve` process. Servicers (version_service.py, update_service.py) and
+Runs in the `enginectl serve` process. Servicers (services/version.py, services/updates.py) and
 cores (generation.py, groups.py, plans.py, outcome.py, staging.py) all import it, and it
 imports no other module of server/weights/ but the ledger (whose states it writes): no import
 circle can run through it. Which message an RPC answers with is its core's or servicer's

@@ -32,7 +32,13 @@ log = structlog.get_logger("enginectl.generation")
 class Generation:
     """The pause state of every rank as this server knows it, and the running update."""
 
-    def __init__(self, engine: PauseEngine, ranks: int, on_pause: Callable[[str | None], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: PauseEngine,
+        ranks: int,
+        on_pause: Callable[[str | None], None] | None = None,
+        on_partial: Callable[[bool], Awaitable[None]] | None = None,
+    ) -> None:
         self._engine = engine
         # Hears every change between running and paused: who paused ("update" or "caller"),
         # None on resume (the metrics' pause clock).
@@ -45,7 +51,7 @@ class Generation:
         self.quarantined = False
         # Hears every change of `quarantined`, before the call that changed it answers: gRPC
         # health goes NOT_SERVING while the weights may be mixed.
-        self.on_partial: Callable[[bool], Awaitable[None]] | None = None
+        self.on_partial = on_partial
         self.mode = ""  # the mode of the pause in effect ("" when running)
         self.pause_time: float | None = None
         self.active: UpdateOperation | None = None  # the update running, or last run

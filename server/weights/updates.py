@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -64,6 +64,8 @@ class WeightUpdates(UpdateSteps):
         max_staged_bytes: int | None = None,
         staged_ttl: float = DEFAULT_TTL_S,
         on_staged_bytes: Callable[[int], None] | None = None,
+        fingerprints: WeightFingerprints | None = None,
+        on_partial: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self._engine = engine
         self._ledger = ledger
@@ -74,12 +76,13 @@ class WeightUpdates(UpdateSteps):
         self._ranks = engine.info.data_parallel_size
         self._ctx = zmq.asyncio.Context()
         self._dir = Path(tempfile.mkdtemp(prefix="enginectl-updates-"))
-        self.generation = Generation(engine, self._ranks, on_pause)
+        self.generation = Generation(engine, self._ranks, on_pause, on_partial)
         self.groups = UpdateGroups(engine)
         self.plans = UpdateValidator(
             ledger, self.groups, allowed_roots=allowed_roots, expected=expected, served_dtype=engine.info.dtype
         )
-        self.fingerprints = WeightFingerprints(engine)
+        # Built by the caller when the ledger's declarations need it before this object exists.
+        self.fingerprints = fingerprints if fingerprints is not None else WeightFingerprints(engine)
         model_bytes = sum(t.nbytes for t in expected.values())
         self.staging = Staging(
             engine,
