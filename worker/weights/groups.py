@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from enginectl.common import buckets, dtypes
+from enginectl.common.vocabulary import Reason
 from enginectl.contract.engine import Backend, Cause, GroupJoined, GroupSpec, LoadPlan, TensorSpec, read, wire
 from enginectl.worker.weights.channel import POLL_MS, Abort, Channel
 from enginectl.worker.weights.cores import unbind_this_thread
 from enginectl.worker.weights.ranks import dp_rank, global_rank
 
-GROUP_INIT_FAILED = "GROUP_INIT_FAILED"
 # A receive buffer's (tensor name or bucket label, dtype, shape).
 BufferKey = tuple[str, str, tuple[int, ...]]
 
@@ -99,7 +99,9 @@ class GroupsMixin:
         spec = read(GroupSpec, spec_wire)
         joins = self._enginectl_joins()
         if spec.name in self._enginectl_groups() or spec.name in joins:
-            return wire(GroupJoined(dp_rank(self), -1, GROUP_INIT_FAILED, f"group {spec.name!r} exists on this worker"))
+            return wire(
+                GroupJoined(dp_rank(self), -1, Reason.GROUP_INIT_FAILED, f"group {spec.name!r} exists on this worker")
+            )
         join = _Join(spec, dp_rank(self), spec.rank_offset + global_rank(self))
         join.thread = threading.Thread(target=_run_join, args=(join,), name=f"enginectl-join-{spec.name}", daemon=True)
         joins[spec.name] = join
@@ -115,7 +117,9 @@ class GroupsMixin:
             group = groups.get(name)
             if group is not None:
                 return wire(GroupJoined(dp_rank(self), group.rank))
-            return wire(GroupJoined(dp_rank(self), -1, GROUP_INIT_FAILED, f"no join of group {name!r} on this worker"))
+            return wire(
+                GroupJoined(dp_rank(self), -1, Reason.GROUP_INIT_FAILED, f"no join of group {name!r} on this worker")
+            )
         outcome = join.outcome
         if outcome is None:
             return wire(GroupJoined(dp_rank(self), join.rank, joining=True))
@@ -267,7 +271,9 @@ def _run_join(join: _Join) -> None:
         pg.broadcast(probe, 0).wait()
     except Exception as exc:  # noqa: BLE001 - answered as this worker's failure
         failure = (
-            Cause.GROUP_TIMEOUT.value if _timed_out(time.monotonic() - started, spec.timeout) else GROUP_INIT_FAILED
+            Cause.GROUP_TIMEOUT.value
+            if _timed_out(time.monotonic() - started, spec.timeout)
+            else Reason.GROUP_INIT_FAILED
         )
         join.outcome = GroupJoined(join.dp_rank, join.rank, failure, f"{type(exc).__name__}: {exc}")
         return
