@@ -1,11 +1,11 @@
 """An in-memory engine for unit tests of the update state machine (server/weights/).
 
-It implements the typed EngineAdapter methods WeightUpdates calls (server/weights/updates.py
-`UpdateEngine`) over a few fields, and records every call, so tests of pure logic (pause
-modes, auto-pause and resume, one update at a time, the partial-update rule, ordering with a
-declaration) run without vLLM. The real-engine tests (tests/e2e/) cover
-the same rules end to end; this double only stands in for speed and for states that are hard
-to reach on purpose (a load that fails after writing, a load held mid-way).
+It implements the typed EngineAdapter methods WeightUpdates calls (`UpdateEngine`, in
+server/weights/engine_protocols.py) over a few fields, and records every call, so tests of
+pure logic (pause modes, auto-pause and resume, one update at a time, the partial-update rule,
+ordering with a declaration) run without vLLM. The real-engine tests (tests/e2e/) cover the
+same rules end to end; this double only stands in for speed and for states that are hard to
+reach on purpose (a load that fails after writing, a load held mid-way).
 """
 
 from __future__ import annotations
