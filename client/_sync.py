@@ -1,9 +1,9 @@
 """The one concurrency model of the blocking clients: the asyncio classes, run on a private
 event loop in a daemon thread.
 
-`AsyncClient`, `AsyncTrainerClient`, `AsyncBroadcast` and `Planner` are the implementation.
-Each blocking class (`Client`, `TrainerClient`, `Broadcast`, `PlannerThread`) runs them on a
-`LoopThread`. `blocking(AsyncThing.method)` makes the blocking twin of an async method, with
+`AsyncClient`, `AsyncTrainerClient`, `AsyncFleet`, `AsyncBroadcast` and `Planner` are the
+implementation. Each blocking class (`Client`, `TrainerClient`, `Fleet`, `Broadcast`,
+`PlannerThread`) runs them on a `LoopThread`: its own (`LoopOwner`), or its maker's. `blocking(AsyncThing.method)` makes the blocking twin of an async method, with
 the same parameters, defaults, overloads, return type and docstring, so no method is written
 twice; `streaming` does the same for async iterators and `entering` for async context
 managers. Imports neither torch nor vLLM.
@@ -18,7 +18,7 @@ import functools
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -163,6 +163,42 @@ class LoopThread:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+
+
+class _Closes(Protocol):
+    async def close(self) -> None: ...
+
+
+ClosesT = TypeVar("ClosesT", bound=_Closes)
+
+
+class LoopOwner(Generic[ClosesT]):
+    """A blocking class that runs its async object on a LoopThread of its own (Client,
+    Fleet): the object is made on the loop, closed on it with `close()`, which also stops
+    the loop; a context manager."""
+
+    def __init__(self, name: str, make: Callable[[], Awaitable[ClosesT]]) -> None:
+        self._loop = LoopThread(name)
+        try:
+            self._core = self._loop.run(make())
+        except BaseException:
+            self._loop.close()
+            raise
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel(s) and stop the loop thread. Idempotent."""
+        if self._loop.closed:
+            return
+        try:
+            self._loop.run(self._core.close())
+        finally:
+            self._loop.close()
 
 
 class Facade(Protocol[CoreT_co]):

@@ -18,7 +18,7 @@ import grpc
 from google.protobuf import duration_pb2
 from google.protobuf.message import Message
 
-from enginectl.client._sync import LoopThread, blocking, streaming
+from enginectl.client._sync import LoopOwner, blocking, streaming
 from enginectl.client.errors import from_rpc_error
 from enginectl.client.types import IdentityAcks, RankIdentity, WeightVersion, WorkerIdentity
 from enginectl.fpm.v1 import fpm_identity_service_pb2 as id_pb2
@@ -253,39 +253,19 @@ class AsyncClient:
         return IdentityAcks(_ranks(response.ranks))
 
 
-class Client:
+class Client(LoopOwner[AsyncClient]):
     """Blocking client with the methods of AsyncClient (run on a private event-loop thread).
     Use as a context manager, or call `close()`."""
 
     _core: AsyncClient
 
     def __init__(self, target: str = DEFAULT_TARGET, **config: Unpack[ChannelOptions]) -> None:
-        self._loop = LoopThread(f"enginectl-{type(self).__name__}")
-        try:
-            self._core = self._loop.run(self._connect(target, config))
-        except BaseException:
-            self._loop.close()
-            raise
+        super().__init__(f"enginectl-{type(self).__name__}", lambda: self._connect(target, config))
         self.config = self._core.config
 
     async def _connect(self, target: str, config: ChannelOptions) -> AsyncClient:
         """The async client this one fronts (made on the loop, where its channel lives)."""
         return AsyncClient(target, **config)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Close the channel and stop the loop thread. Idempotent."""
-        if self._loop.closed:
-            return
-        try:
-            self._loop.run(self._core.close())
-        finally:
-            self._loop.close()
 
     get_weight_version = blocking(AsyncClient.get_weight_version)
     set_weight_version = blocking(AsyncClient.set_weight_version)

@@ -30,7 +30,7 @@ from typing import Any, TypeVar, Unpack
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from enginectl.client._sync import LoopThread, blocking
+from enginectl.client._sync import LoopOwner, blocking
 from enginectl.client.client import ChannelOptions
 from enginectl.client.errors import EnginectlError, Reason, from_rpc_error
 from enginectl.client.fleet_types import (
@@ -49,7 +49,7 @@ from enginectl.client.progress import FleetProgress
 from enginectl.client.trainer import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, AsyncTrainerClient
 from enginectl.client.trainer_operations import POLL_S
 from enginectl.client.trainer_requests import GRACE_S, duration
-from enginectl.client.trainer_tensors import BACKENDS, BroadcastGroup, TensorSource, named_tensors, tensor_spec
+from enginectl.client.trainer_tensors import BroadcastGroup, TensorSource, named_tensors, tensor_spec
 from enginectl.client.trainer_types import StagedWeights, UpdateOperation, UpdateResult, Verification
 from enginectl.common.buckets import cut
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
@@ -185,15 +185,7 @@ class AsyncFleet:
         )
 
         async def join(target: str, client: AsyncTrainerClient) -> Any:
-            request = pb2.InitWeightsUpdateGroupRequest(
-                group_name=group_name,
-                master_address=master_address,
-                master_port=group.port,
-                rank_offset=offsets[target],
-                world_size=world,
-                backend=BACKENDS[backend],
-                timeout=duration(timeout),
-            )
+            request = group.join_request(master_address, offsets[target])
             return await client.connection.unary(
                 self._updates[target].InitWeightsUpdateGroup, request, timeout + GRACE_S
             )
@@ -425,35 +417,15 @@ def _local_error(exc: BaseException) -> EnginectlError:
     return EnginectlError(grpc.StatusCode.UNAVAILABLE, f"the broadcast failed: {type(exc).__name__}: {exc}")
 
 
-class Fleet:
+class Fleet(LoopOwner[AsyncFleet]):
     """Blocking fleet with the methods of AsyncFleet; a context manager."""
 
     def __init__(self, targets: Sequence[str], **config: Unpack[ChannelOptions]) -> None:
-        self._loop = LoopThread("enginectl-Fleet")
-
         async def make() -> AsyncFleet:
             return AsyncFleet(targets, **config)
 
-        try:
-            self._core = self._loop.run(make())
-        except BaseException:
-            self._loop.close()
-            raise
+        super().__init__("enginectl-Fleet", make)
         self.targets = self._core.targets
-
-    def __enter__(self) -> Fleet:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._loop.closed:
-            return
-        try:
-            self._loop.run(self._core.close())
-        finally:
-            self._loop.close()
 
     @property
     def last_stage(self) -> FleetStage | None:

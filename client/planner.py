@@ -411,6 +411,12 @@ class PlannerThread:
         loop, planner = self._started()
         return loop.run(planner.wait_for(predicate, timeout), timeout + 5)
 
+    def latest_ranks(self) -> list[RankState]:
+        """The latest sample of every rank, read on the planner's loop (a consistent view);
+        blocks until it is read."""
+        loop, planner = self._started()
+        return loop.call(planner.fleet.latest)
+
     def _started(self) -> tuple[LoopThread, Planner]:
         assert self._loop is not None and self.planner is not None, "start() first"
         return self._loop, self.planner
@@ -429,5 +435,4 @@ class PlannerThread:
 def latest_ranks(planner: PlannerThread) -> list[RankState]:
     """The latest sample of every rank `planner` follows, read on its loop (a consistent view);
     blocks until it is read (Fleet.status calls it off its own loop)."""
-    loop, inner = planner._started()
-    return loop.call(inner.fleet.latest)
+    return planner.latest_ranks()

@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from enginectl.client._sync import LoopThread, blocking
 from enginectl.client.trainer_operations import require_done
-from enginectl.client.trainer_requests import GRACE_S, UpdateOptions, duration
+from enginectl.client.trainer_requests import GRACE_S, UpdateOptions
 from enginectl.client.trainer_tensors import (
-    BACKENDS,
     DEFAULT_BUCKET_BYTES,
     BroadcastGroup,
     TensorSource,
@@ -171,15 +170,7 @@ class BroadcastUpdates:
         group = await asyncio.to_thread(
             BroadcastGroup.host, group_name, backend, master_address, master_port, world_size, timeout
         )
-        request = pb2.InitWeightsUpdateGroupRequest(
-            group_name=group_name,
-            master_address=master_address,
-            master_port=group.port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            backend=BACKENDS[backend],
-            timeout=duration(timeout),
-        )
+        request = group.join_request(master_address, rank_offset)
         joining = asyncio.ensure_future(asyncio.to_thread(group.join))
         calling = asyncio.ensure_future(
             self._connection.unary(self._stub.InitWeightsUpdateGroup, request, timeout + GRACE_S)
@@ -233,19 +224,8 @@ class BroadcastUpdates:
         with `send()` and wait with `wait()`. broadcast_weights does all three. Tensors of at
         most `bucket_bytes` go packed in buckets, one collective each (0: one per tensor).
         `stage_only`: the engine stages them (see stage_broadcast_weights)."""
-        group = self._usable(group_name)
-        if group is None:
-            raise ValueError(f"no local group {group_name!r}: call init_weights_update_group first")
-        named = named_tensors(tensors, group.device)
         options = UpdateOptions(version, etag, request_id, pause_mode, reset_prefix_cache, timeout, stage_only)
-        request = options.fill(
-            pb2.UpdateWeightsFromDistributedRequest(
-                group_name=group_name, tensors=[tensor_spec(n, t) for n, t in named], bucket_bytes=bucket_bytes
-            )
-        )
-        started = await self._connection.unary(self._stub.UpdateWeightsFromDistributed, request, None)
-        op = UpdateOperation.from_proto(started)
-        return AsyncBroadcast(self._client, group, op, [t for _, t in named], options, progress, bucket_bytes)
+        return await self.start(tensors, options, group_name, progress, bucket_bytes)
 
     async def broadcast_weights(
         self,
@@ -263,17 +243,32 @@ class BroadcastUpdates:
     ) -> UpdateResult:
         """Broadcast `tensors` (nn.Module, state dict or pairs; checkpoint names) through the
         group and declare `version` on success; returns the UpdateResult or raises."""
-        broadcast = await self.start_broadcast(
-            tensors,
-            version,
-            group_name=group_name,
-            etag=etag,
-            request_id=request_id,
-            pause_mode=pause_mode,
-            reset_prefix_cache=reset_prefix_cache,
-            timeout=timeout,
-            progress=progress,
-            bucket_bytes=bucket_bytes,
+        options = UpdateOptions(version, etag, request_id, pause_mode, reset_prefix_cache, timeout)
+        return await self.run(tensors, options, group_name, progress, bucket_bytes)
+
+    async def start(
+        self, tensors: TensorSource, options: UpdateOptions, group_name: str, progress: bool, bucket_bytes: int
+    ) -> AsyncBroadcast:
+        """UpdateWeightsFromDistributed for `tensors` through the local group `group_name`,
+        started: the broadcast, its tensors still to send."""
+        group = self._usable(group_name)
+        if group is None:
+            raise ValueError(f"no local group {group_name!r}: call init_weights_update_group first")
+        named = named_tensors(tensors, group.device)
+        request = options.fill(
+            pb2.UpdateWeightsFromDistributedRequest(
+                group_name=group_name, tensors=[tensor_spec(n, t) for n, t in named], bucket_bytes=bucket_bytes
+            )
         )
+        started = await self._connection.unary(self._stub.UpdateWeightsFromDistributed, request, None)
+        op = UpdateOperation.from_proto(started)
+        return AsyncBroadcast(self._client, group, op, [t for _, t in named], options, progress, bucket_bytes)
+
+    async def run(
+        self, tensors: TensorSource, options: UpdateOptions, group_name: str, progress: bool, bucket_bytes: int
+    ) -> UpdateResult:
+        """`start`, then every tensor sent and the Operation waited for: its result, or its
+        error raised."""
+        broadcast = await self.start(tensors, options, group_name, progress, bucket_bytes)
         await broadcast.send()
         return await broadcast.wait()

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
 
+def _stage_options(version: str | None, request_id: str | None, timeout: float | None) -> UpdateOptions:
+    """What every stage sends: no etag and no pause (nothing it serves changes), stage_only."""
+    return UpdateOptions(version, None, request_id, "keep", True, timeout, stage_only=True)
+
+
 def _staged(result: UpdateResult) -> StagedWeights:
     if result.staged is None:  # a server that ignored stage_only (older than this client)
         raise RuntimeError(f"{result.operation} loaded the weights instead of staging them: the server is too old")
@@ -59,17 +64,14 @@ class Staging:
         """Read safetensors at `path` (on the server) into its staging area while it keeps
         generating; nothing it serves changes. `version` is what the commit declares unless
         the commit names one. Returns the staged set (raises the stage's error)."""
-        options = UpdateOptions(version, None, request_id, "keep", True, timeout, stage_only=True)
-        op = await self.start_stage_from_disk(path, version, request_id=request_id, timeout=timeout)
-        return _staged((await self._operations.until_done(op.name, options.wait_bound(), progress)).result())
+        options = _stage_options(version, request_id, timeout)
+        return await self._until_staged(await self._start_from_disk(path, options), options, progress)
 
     async def start_stage_from_disk(
         self, path: str, version: str | None = None, *, request_id: str | None = None, timeout: float | None = None
     ) -> UpdateOperation:
         """stage_weights_from_disk without waiting: the running stage's Operation."""
-        options = UpdateOptions(version, None, request_id, "keep", True, timeout, stage_only=True)
-        request = options.fill(pb2.UpdateWeightsFromDiskRequest(path=str(path)))
-        return UpdateOperation.from_proto(await self._connection.unary(self._stub.UpdateWeightsFromDisk, request, None))
+        return await self._start_from_disk(path, _stage_options(version, request_id, timeout))
 
     async def stage_weights_from_tensors(
         self,
@@ -83,9 +85,8 @@ class Staging:
     ) -> StagedWeights:
         """Stream `tensors` (as update_weights_from_tensors) into the server's staging area
         while it keeps generating. Returns the staged set."""
-        options = UpdateOptions(version, None, request_id, "keep", True, timeout, stage_only=True)
-        op = await self._stream.start(tensors, options, chunk_bytes)
-        return _staged((await self._operations.until_done(op.name, options.wait_bound(), progress)).result())
+        options = _stage_options(version, request_id, timeout)
+        return await self._until_staged(await self._stream.start(tensors, options, chunk_bytes), options, progress)
 
     async def stage_broadcast_weights(
         self,
@@ -100,18 +101,10 @@ class Staging:
     ) -> StagedWeights:
         """Broadcast `tensors` through the group (init_weights_update_group first) into the
         server's staging area while it keeps generating. Returns the staged set."""
-        broadcast = await self._broadcasts.start_broadcast(
-            tensors,
-            version,
-            group_name=group_name or DEFAULT_GROUP,
-            request_id=request_id,
-            timeout=timeout,
-            progress=progress,
-            bucket_bytes=bucket_bytes,
-            stage_only=True,
+        options = _stage_options(version, request_id, timeout)
+        return _staged(
+            await self._broadcasts.run(tensors, options, group_name or DEFAULT_GROUP, progress, bucket_bytes)
         )
-        await broadcast.send()
-        return _staged(await broadcast.wait())
 
     async def commit_staged_weights(
         self,
@@ -145,3 +138,11 @@ class Staging:
         request = pb2.DiscardStagedWeightsRequest(name=name, allow_missing=allow_missing)
         response = await self._connection.unary(self._stub.DiscardStagedWeights, request, timeout)
         return int(response.bytes_freed)
+
+    async def _start_from_disk(self, path: str, options: UpdateOptions) -> UpdateOperation:
+        request = options.fill(pb2.UpdateWeightsFromDiskRequest(path=str(path)))
+        return UpdateOperation.from_proto(await self._connection.unary(self._stub.UpdateWeightsFromDisk, request, None))
+
+    async def _until_staged(self, op: UpdateOperation, options: UpdateOptions, progress: bool) -> StagedWeights:
+        """The set the stage `op` staged, once it is done (its error raised)."""
+        return _staged((await self._operations.until_done(op.name, options.wait_bound(), progress)).result())

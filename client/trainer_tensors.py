@@ -18,7 +18,7 @@ import grpc
 
 from enginectl.client.client import Connection
 from enginectl.client.errors import from_rpc_error
-from enginectl.client.trainer_requests import UpdateOptions
+from enginectl.client.trainer_requests import UpdateOptions, duration
 from enginectl.client.trainer_types import UpdateOperation
 from enginectl.common import dtypes
 from enginectl.common.buckets import Bucket, cut
@@ -159,6 +159,19 @@ class BroadcastGroup:
     @property
     def port(self) -> int:
         return int(self.store.port)
+
+    def join_request(self, master_address: str, rank_offset: int) -> pb2.InitWeightsUpdateGroupRequest:
+        """The InitWeightsUpdateGroup request that has a server's workers join this group, as
+        ranks rank_offset.., at its store on master_address."""
+        return pb2.InitWeightsUpdateGroupRequest(
+            group_name=self.name,
+            master_address=master_address,
+            master_port=self.port,
+            rank_offset=rank_offset,
+            world_size=self.world_size,
+            backend=BACKENDS[self.backend],
+            timeout=duration(self.timeout),
+        )
 
     def join(self) -> None:
         """Create rank 0's process group (blocks until all members joined) and answer the probe."""
