@@ -87,9 +87,10 @@ def _leaf(
     help: str,
     usage: str = "",
     *,
-    own_timeout: bool = False,
+    own_timeout: tuple[str, str] | None = None,
 ) -> argparse.ArgumentParser:
-    """A command's verb: its own flags (`usage` sums them up), then the global flags."""
+    """A command's verb: its own flags (`usage` sums them up), then the global flags. With
+    `own_timeout` (dest, help), `--timeout S` is the verb's own, stored in `dest`."""
     parser = sub.add_parser(
         name,
         help=help,
@@ -98,7 +99,10 @@ def _leaf(
         formatter_class=_Formatter,
         epilog=EPILOG,
     )
-    _global_flags(parser, suppress=True, timeout=not own_timeout)
+    if own_timeout is not None:
+        dest, timeout_help = own_timeout
+        parser.add_argument("--timeout", dest=dest, type=float, metavar="S", help=timeout_help)
+    _global_flags(parser, suppress=True, timeout=own_timeout is None)
     return parser
 
 
@@ -132,6 +136,7 @@ def _version_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 CHECKPOINT_HELP = "a file, directory or *.safetensors.index.json on the server"
+STAGED_HELP = "the staged set (default: the one the server holds)"
 
 
 def _apply_flags(verb: argparse.ArgumentParser) -> None:
@@ -169,11 +174,11 @@ def _weights_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "two-phase update, second phase: apply the staged set under one short pause",
         "[NAME] [--version V] [--etag E] [--pause-mode M] [--keep-prefix-cache] [--update-timeout S] [--no-wait]",
     )
-    commit.add_argument("name", nargs="?", metavar="NAME", help="the staged set (default: the one the server holds)")
+    commit.add_argument("name", nargs="?", metavar="NAME", help=STAGED_HELP)
     commit.add_argument("--version", help="declare this version (default: the one the stage named)")
     _apply_flags(commit)
     discard = _leaf(verbs, "discard", "drop the staged set (a stage still receiving is cancelled)", "[NAME]")
-    discard.add_argument("name", nargs="?", metavar="NAME", help="the staged set (default: the one the server holds)")
+    discard.add_argument("name", nargs="?", metavar="NAME", help=STAGED_HELP)
     verify = _leaf(
         verbs,
         "verify",
@@ -210,44 +215,29 @@ def _operation_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "wait",
         "wait until the operation is done; exits with its error's code if it failed",
         "NAME [--timeout S]",
-        own_timeout=True,
+        own_timeout=("wait_timeout", "give up after S seconds (exit 6); default: no bound"),
     )
     wait.add_argument("name", metavar="NAME")
-    wait.add_argument(
-        "--timeout",
-        dest="wait_timeout",
-        type=float,
-        metavar="S",
-        help="give up after S seconds (exit 6); default: no bound",
-    )
     _leaf(verbs, "cancel", "ask the server to stop the update", "NAME").add_argument("name", metavar="NAME")
 
 
 def _identity_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     verbs = _group(sub, "identity", "the worker id every rank stamps on its samples (FpmIdentityService)")
-    get = _leaf(verbs, "get", "ask every rank for the identity it holds now", "[--timeout S]", own_timeout=True)
-    get.add_argument(
-        "--timeout",
-        dest="rank_timeout",
-        type=float,
-        metavar="S",
-        help="seconds each rank has to answer (server default 5)",
+    _leaf(
+        verbs,
+        "get",
+        "ask every rank for the identity it holds now",
+        "[--timeout S]",
+        own_timeout=("rank_timeout", "seconds each rank has to answer (server default 5)"),
     )
     set_ = _leaf(
         verbs,
         "set",
         "set WORKER_ID on every rank (an --await-worker-id server then serves)",
         "WORKER_ID [--timeout S]",
-        own_timeout=True,
+        own_timeout=("rank_timeout", "seconds every rank has to ack (server default 10)"),
     )
     set_.add_argument("worker_id", metavar="WORKER_ID")
-    set_.add_argument(
-        "--timeout",
-        dest="rank_timeout",
-        type=float,
-        metavar="S",
-        help="seconds every rank has to ack (server default 10)",
-    )
 
 
 def _fpm_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -243,8 +243,8 @@ class Commands:
 
     def fpm_top(self) -> int:
         a = self.args
-        targets = [t.strip() for t in (a.targets or a.target).split(",") if t.strip()]
-        expect = [w.strip() for w in (a.expect or "").split(",") if w.strip()]
+        targets = fleet.targets(a)
+        expect = fleet.comma_list(a.expect)
         if not targets or a.interval <= 0 or a.iterations < 0:
             raise UsageError("fpm top needs --targets, an --interval above 0 and -n of 0 or more")
         configs = [ChannelConfig(t, **self.options) for t in targets]

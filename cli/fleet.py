@@ -49,8 +49,14 @@ def add_commands(sub: Any, group: Any, leaf: Any) -> None:
         parser.add_argument("--targets", metavar="A,B,...", help="the servers (default: --target)")
 
 
+def comma_list(value: str | None) -> list[str]:
+    """The items of a comma-separated flag (`--targets A,B`), blanks dropped."""
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
+
+
 def targets(args: argparse.Namespace) -> list[str]:
-    return [t.strip() for t in (args.targets or args.target).split(",") if t.strip()]
+    """The servers `--targets` names (default: `--target`)."""
+    return comma_list(args.targets or args.target)
 
 
 def status(args: argparse.Namespace, options: ChannelOptions, out: Output) -> int:
