@@ -14,18 +14,15 @@ from collections.abc import Iterator
 
 import pytest
 from support.serving import ServeProcess, alive
-from support.weights import Checkpoints, build_checkpoints
+from support.weights import Checkpoints
 
+from e2e.own_servers import own_checkpoints
 from enginectl.client import Client
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="session")
-def checkpoints(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
-    """This module's own checkpoints A and B, not the session's (tests/e2e/conftest.py); session
-    scope, as the session's, so they last until the session ends."""
-    return build_checkpoints(serve_env, tmp_path_factory.mktemp("weights-root"))
+checkpoints = own_checkpoints()
 
 
 @pytest.fixture(scope="module")

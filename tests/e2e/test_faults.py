@@ -60,8 +60,9 @@ from support.fault_helpers import (
     trainer,
 )
 from support.serving import ServeProcess, alive
-from support.weights import Checkpoints, build_checkpoints, greedy_tokens, start_weights_server, stop_server
+from support.weights import Checkpoints, greedy_tokens, start_weights_server, stop_server
 
+from e2e.own_servers import own_checkpoints
 from enginectl.client import NotFoundError, TrainerClient
 from enginectl.client.errors import EnginectlError, from_rpc_error, from_status
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
@@ -73,11 +74,7 @@ from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 # --- the first life: recorded, then SIGTERMed mid-update ----------------------------------
 
 
-@pytest.fixture(scope="session")
-def checkpoints(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
-    """This module's own checkpoints A and B, not the session's (tests/e2e/conftest.py); session
-    scope, as the session's, so they last until the session ends."""
-    return build_checkpoints(serve_env, tmp_path_factory.mktemp("weights-root"))
+checkpoints = own_checkpoints()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ servers serving A, running, SERVING, with nothing staged.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import subprocess
@@ -83,6 +84,19 @@ def back_to_a(
             c.update_weights_from_disk(str(checkpoints.a), "A")
 
 
+@contextlib.contextmanager
+def fleet_group(fleet: Fleet, servers: tuple[ServeProcess, ...], name: str) -> Iterator[dict[str, int]]:
+    """The fleet's group `name` inside the block (its rank offsets, by target), destroyed on
+    every server after it."""
+    offsets = fleet.init_weights_update_group(name, timeout=60)
+    try:
+        yield offsets
+    finally:
+        for srv in servers:
+            with TrainerClient(srv.grpc_target) as c:
+                c.destroy_weights_update_group(name, allow_missing=True)
+
+
 def stubs(srv: ServeProcess) -> WeightStubs:
     return WeightStubs(srv)
 
@@ -143,9 +157,8 @@ def test_a_failed_commit_quarantines_one_server_and_repair_brings_it_back(
 def test_one_broadcast_stages_both_servers(
     servers: tuple[ServeProcess, ServeProcess], fleet: Fleet, checkpoints: Checkpoints, tokens: dict[str, list[int]]
 ) -> None:
-    offsets = fleet.init_weights_update_group("fleet-gloo", timeout=60)
-    assert sorted(offsets.values()) == [1, 2]  # one worker each, after the trainer's rank 0
-    try:
+    with fleet_group(fleet, servers, "fleet-gloo") as offsets:
+        assert sorted(offsets.values()) == [1, 2]  # one worker each, after the trainer's rank 0
         stage = fleet.stage_broadcast(checkpoints.state_dict("B"), "fleet-gloo")
         assert stage.fingerprint is not None  # both staged the same bytes
         for srv in servers:  # staging changed nothing yet
@@ -157,10 +170,6 @@ def test_one_broadcast_stages_both_servers(
             assert stubs(srv).version().version == "fleet-gloo"
         status = fleet.status()
         assert status.consistent and status.versions == {"fleet-gloo"}
-    finally:
-        for srv in servers:
-            with TrainerClient(srv.grpc_target) as c:
-                c.destroy_weights_update_group("fleet-gloo", allow_missing=True)
 
 
 def test_a_stage_failure_on_one_server_leaves_both_unchanged(
@@ -186,17 +195,12 @@ def test_a_stage_failure_on_one_server_leaves_both_unchanged(
         assert greedy_tokens(srv) == tokens["A"]
 
     # A broadcast stage Y refuses: nothing is broadcast, X's stage is stopped and dropped.
-    fleet.init_weights_update_group("fleet-refused", timeout=60)
-    try:
+    with fleet_group(fleet, servers, "fleet-refused"):
         with pytest.raises(FleetStageError):
             fleet.stage_broadcast(checkpoints.state_dict("B"), "never")
         assert fleet.status().servers[x.grpc_target].staged is None
         for srv in servers:
             assert greedy_tokens(srv) == tokens["A"]
-    finally:
-        for srv in servers:
-            with TrainerClient(srv.grpc_target) as c:
-                c.destroy_weights_update_group("fleet-refused", allow_missing=True)
 
 
 def test_a_commit_fenced_out_on_one_server_holds_it_until_repair(

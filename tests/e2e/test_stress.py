@@ -25,8 +25,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.serving import ServeProcess
-from support.weights import Checkpoints, build_checkpoints, start_weights_server, stop_server
+from support.weights import Checkpoints
 
+from e2e.own_servers import own_checkpoints, own_weights_server
 from enginectl.client import TrainerClient
 
 CLIENTS = 4
@@ -38,20 +39,8 @@ _rng = random.Random(7)
 PROMPTS = [[_rng.randrange(5, 400) for _ in range(_rng.choice([3, 9, 33, 80, 150]))] for _ in range(12)]
 
 
-@pytest.fixture(scope="session")
-def checkpoints(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
-    """This module's own checkpoints A and B, not the session's (tests/e2e/conftest.py); session
-    scope, as the session's, so they last until the session ends."""
-    return build_checkpoints(serve_env, tmp_path_factory.mktemp("weights-root"))
-
-
-@pytest.fixture(scope="session")
-def weights_server(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[ServeProcess]:
-    """This module's own server on its own checkpoints, not the session's (tests/e2e/conftest.py);
-    session scope, as the session's, so it runs until the session ends."""
-    srv = start_weights_server(serve_env, checkpoints)
-    yield srv
-    stop_server(srv)
+checkpoints = own_checkpoints()
+weights_server = own_weights_server()
 
 
 def generate(server: ServeProcess, prompt: list[int], max_tokens: int) -> dict[str, Any]:

@@ -21,8 +21,9 @@ from typing import Any
 import grpc
 import pytest
 from support.serving import ServeProcess
-from support.weights import Checkpoints, build_checkpoints, greedy_tokens, start_weights_server, stop_server
+from support.weights import Checkpoints, greedy_tokens
 
+from e2e.own_servers import own_checkpoints, own_weights_server, trainer_client
 from enginectl.client import (
     AsyncTrainerClient,
     EnginectlError,
@@ -40,26 +41,9 @@ TRAINER = Path(__file__).resolve().parents[1] / "support" / "trainer_proc.py"
 PROC_TIMEOUT_S = 240.0
 
 
-@pytest.fixture(scope="session")
-def checkpoints(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
-    """This module's own checkpoints A and B, not the session's (tests/e2e/conftest.py); session
-    scope, as the session's, so they last until the session ends."""
-    return build_checkpoints(serve_env, tmp_path_factory.mktemp("weights-root"))
-
-
-@pytest.fixture(scope="session")
-def weights_server(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[ServeProcess]:
-    """This module's own server on its own checkpoints, not the session's (tests/e2e/conftest.py);
-    session scope, as the session's, so it runs until the session ends."""
-    srv = start_weights_server(serve_env, checkpoints)
-    yield srv
-    stop_server(srv)
-
-
-@pytest.fixture(scope="module")
-def client(weights_server: ServeProcess) -> Iterator[TrainerClient]:
-    with TrainerClient(weights_server.grpc_target, timeout=120.0) as c:
-        yield c
+checkpoints = own_checkpoints()
+weights_server = own_weights_server()
+client = trainer_client()
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,9 @@ from google.longrunning import operations_pb2
 from google.protobuf import duration_pb2
 from support.serving import ServeProcess
 from support.weight_updates import Stubs, error_info
-from support.weights import Checkpoints, build_checkpoints, start_weights_server, stop_server
+from support.weights import Checkpoints
 
+from e2e.own_servers import own_checkpoints, own_weights_server
 from enginectl.client import TrainerClient
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
@@ -34,20 +35,8 @@ WAIT_S = 60.0
 ROLLOUT_TOKENS = 64
 
 
-@pytest.fixture(scope="session")
-def checkpoints(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
-    """This module's own checkpoints A and B, not the session's (tests/e2e/conftest.py); session
-    scope, as the session's, so they last until the session ends."""
-    return build_checkpoints(serve_env, tmp_path_factory.mktemp("weights-root"))
-
-
-@pytest.fixture(scope="session")
-def weights_server(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[ServeProcess]:
-    """This module's own server on its own checkpoints, not the session's (tests/e2e/conftest.py);
-    session scope, as the session's, so it runs until the session ends."""
-    srv = start_weights_server(serve_env, checkpoints)
-    yield srv
-    stop_server(srv)
+checkpoints = own_checkpoints()
+weights_server = own_weights_server()
 
 
 def _seconds(value: float) -> duration_pb2.Duration:

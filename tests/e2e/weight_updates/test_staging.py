@@ -24,6 +24,7 @@ from support.serving import ServeProcess
 from support.weight_updates import Stubs, error_info
 from support.weights import Checkpoints, greedy_tokens
 
+from e2e.own_servers import trainer_client
 from enginectl.client import NotFoundError, Reason, TrainerClient
 from enginectl.client.trainer_tensors import chunks, tensor_spec
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
@@ -34,10 +35,7 @@ LONG_PROMPT = list(range(3, 3 + 200))  # fills a 128-token KV block (CPU block s
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6], [5, 5, 5, 5, 5, 5], LONG_PROMPT]
 
 
-@pytest.fixture(scope="module")
-def client(weights_server: ServeProcess) -> Iterator[TrainerClient]:
-    with TrainerClient(weights_server.grpc_target, timeout=120.0) as c:
-        yield c
+client = trainer_client()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -32,6 +32,7 @@ from support.serving import ServeProcess
 from support.weight_updates import Stubs, error_info
 from support.weights import Checkpoints, greedy_tokens
 
+from e2e.own_servers import trainer_client
 from enginectl.client import InvalidArgumentError, Reason, TrainerClient, WeightSource
 from enginectl.client.trainer_ipc import ipc_request, is_local_target
 from enginectl.client.trainer_requests import UpdateOptions
@@ -43,10 +44,7 @@ from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 EMBED = "model.embed_tokens.weight"
 
 
-@pytest.fixture(scope="module")
-def client(weights_server: ServeProcess) -> Iterator[TrainerClient]:
-    with TrainerClient(weights_server.grpc_target, timeout=120.0) as c:
-        yield c
+client = trainer_client()
 
 
 @pytest.fixture(scope="module")
