@@ -1,18 +1,21 @@
 """ControlPlaneServer: the grpc.aio server with every enginectl service, health and reflection.
 
 Runs in the `enginectl serve` process, on the control loop (control_loop.py), not on the loop
-vLLM's HTTP server and AsyncLLM share.
+vLLM's HTTP server and AsyncLLM share. It registers each servicer once, explicitly, and gives
+the interceptor the RPCs this server does not serve: UNIMPLEMENTED NOT_IMPLEMENTED before any
+servicer runs, the one place "no engine" is refused. Its collaborators are built beforehand,
+in dependency order, by server/wiring.py (tests build it with only a ledger: no engine).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
 from google.protobuf import descriptor as _descriptor
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from enginectl.fpm.v1 import (
     forward_pass_metrics_service_pb2,
@@ -21,12 +24,16 @@ from enginectl.fpm.v1 import (
     fpm_identity_service_pb2_grpc,
 )
 from enginectl.server import limits
+from enginectl.server.config import TlsConfig
 from enginectl.server.errors import ControlPlaneError, Reason
-from enginectl.server.fpm.identity_service import FpmIdentityServicer
 from enginectl.server.fpm.relay import FpmRelay
-from enginectl.server.fpm.stream import ForwardPassMetricsServicer
+from enginectl.server.fpm.services import ForwardPassMetricsServicer, FpmIdentityServicer
+from enginectl.server.fpm.services import stream as fpm_stream
+from enginectl.server.health import SERVICE_NAME as HEALTH_SERVICE
+from enginectl.server.health import ServingHealth
 from enginectl.server.interceptors import BearerToken, RpcInterceptor
 from enginectl.server.limits import MAX_MESSAGE_BYTES
+from enginectl.server.prompt_calls import PromptCalls
 from enginectl.server.reflection import enable_reflection
 from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.server.weights.operations import OperationStore
@@ -45,60 +52,61 @@ if TYPE_CHECKING:
     from enginectl.server.rollouts import RolloutService
     from enginectl.server.weights.updates import WeightUpdates
 
+WEIGHT_VERSION = weight_version_service_pb2.DESCRIPTOR.services_by_name["WeightVersionService"]
+WEIGHT_UPDATE = weight_update_service_pb2.DESCRIPTOR.services_by_name["WeightUpdateService"]
+FPM_IDENTITY = fpm_identity_service_pb2.DESCRIPTOR.services_by_name["FpmIdentityService"]
+FPM_STREAM = forward_pass_metrics_service_pb2.DESCRIPTOR.services_by_name["ForwardPassMetricsService"]
+OPERATIONS = operations_pb2.DESCRIPTOR.services_by_name["Operations"]
+SERVICES = (WEIGHT_VERSION, WEIGHT_UPDATE, FPM_IDENTITY, FPM_STREAM, OPERATIONS)
 
-@dataclass(frozen=True)
-class TlsConfig:
-    """Server TLS; with `client_ca` set, clients must present a certificate it signed (mTLS)."""
 
-    cert_chain: bytes
-    private_key: bytes
-    client_ca: bytes | None = None
+def _every(service: _descriptor.ServiceDescriptor) -> list[str]:
+    """Full names ("pkg.Service/Method") of every RPC of `service`."""
+    return [f"{service.full_name}/{m.name}" for m in service.methods]
 
-    def credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials(
-            [(self.private_key, self.cert_chain)],
-            root_certificates=self.client_ca,
-            require_client_auth=self.client_ca is not None,
+
+# What a server without an engine (no WeightUpdates: tests build one) still answers: the
+# version resource lives in the ledger alone, GetServerInfo describes the server, and
+# operations and the metrics stream need no engine either.
+ENGINE_FREE = frozenset(
+    {
+        f"{WEIGHT_VERSION.full_name}/GetWeightVersion",
+        f"{WEIGHT_VERSION.full_name}/SetWeightVersion",
+        f"{WEIGHT_VERSION.full_name}/WatchWeightVersion",
+        f"{WEIGHT_UPDATE.full_name}/GetServerInfo",
+        *_every(FPM_STREAM),
+        *_every(OPERATIONS),
+    }
+)
+
+
+def service_names(rollouts: RolloutService | None = None) -> tuple[str, ...]:
+    """Full names of the services a ControlPlaneServer serves (health's and reflection's aside)."""
+    return (*(service.full_name for service in SERVICES), *((rollouts.name,) if rollouts is not None else ()))
+
+
+def _implemented(servicer: type, generated: type, service: _descriptor.ServiceDescriptor) -> list[str]:
+    """Full names ("pkg.Service/Method") of the RPCs of `service` that `servicer` (the
+    `generated` servicer or a subclass) defines."""
+    return [
+        f"{service.full_name}/{m.name}"
+        for m in service.methods
+        if getattr(servicer, m.name) is not getattr(generated, m.name)
+    ]
+
+
+def _not_implemented(rpcs: Iterable[str], why: str) -> dict[str, ControlPlaneError]:
+    """The interceptor's answer to each of `rpcs` ("pkg.Service/Method"): UNIMPLEMENTED."""
+    return {
+        f"/{rpc}": ControlPlaneError(
+            grpc.StatusCode.UNIMPLEMENTED, Reason.NOT_IMPLEMENTED, f"{rpc} is not implemented by this server ({why})"
         )
-
-
-def _with_unimplemented(
-    impl: type, generated: type, service: _descriptor.ServiceDescriptor, arrives: str
-) -> tuple[type, list[str]]:
-    """`impl` (a subclass of the `generated` servicer, or that class itself) completed so
-    every RPC it does not override answers UNIMPLEMENTED with a clear message.
-
-    Returns the class and the full names ("pkg.Service/Method") of the RPCs `impl` defines.
-    """
-
-    def make(name: str, streaming: bool) -> Any:
-        def error() -> ControlPlaneError:
-            return ControlPlaneError(
-                grpc.StatusCode.UNIMPLEMENTED,
-                Reason.NOT_IMPLEMENTED,
-                f"{service.full_name}/{name} is not implemented in this release ({arrives})",
-            )
-
-        if streaming:
-
-            async def stream(self: Any, request: Any, context: Any) -> Any:
-                raise error()
-                yield  # pragma: no cover - makes this an async generator
-
-            return stream
-
-        async def unary(self: Any, request: Any, context: Any) -> Any:
-            raise error()
-
-        return unary
-
-    implemented = [m.name for m in service.methods if getattr(impl, m.name) is not getattr(generated, m.name)]
-    missing = {m.name: make(m.name, m.server_streaming) for m in service.methods if m.name not in implemented}
-    return type(impl.__name__, (impl,), missing), [f"{service.full_name}/{m}" for m in implemented]
+        for rpc in rpcs
+    }
 
 
 class ControlPlaneServer:
-    """Owns the gRPC server, its health states and the services registered on it."""
+    """Owns the gRPC server and the services registered on it; `health` says whether it serves."""
 
     def __init__(
         self,
@@ -114,31 +122,70 @@ class ControlPlaneServer:
         updates: WeightUpdates | None = None,
         operations: OperationStore | None = None,
         rollouts: RolloutService | None = None,
-        token_guards_rollouts: bool = False,
+        health: ServingHealth | None = None,
+        prompt_calls: PromptCalls | None = None,
     ) -> None:
         self.ledger = ledger
         self.updates = updates
         self.operations = operations or OperationStore()
         # Without a relay (no engine behind this server) streams carry only progress messages.
         self.fpm_relay = fpm_relay or FpmRelay(incarnation=ledger.incarnation)
+        self.service_names = list(service_names(rollouts))
+        self.health = health or ServingHealth(self.service_names)
         self._tls = tls
         self._engine_dead = False
-        self._serving = False  # set_serving(True) was called (the server is up)
-        self._quarantined = False  # an update failed part-way: the weights may be mixed
-        self._stopping = False  # stop() began
-        if updates is not None:
-            updates.generation.on_partial = self.set_quarantined
-        self._interceptor = interceptor = RpcInterceptor(
+
+        # The RPCs served are those each servicer defines (GetServerInfo's supported_rpcs), but
+        # for the engine-free ones only without an engine (no WeightUpdates). The interceptor
+        # answers the rest UNIMPLEMENTED NOT_IMPLEMENTED before any servicer is reached.
+        # Without an IdentitySync, the generated servicer: it defines none of the RPCs (its
+        # stub marks them abstract; at run time they exist, and are never reached).
+        identity_servicer = (
+            FpmIdentityServicer(identity)
+            if identity is not None
+            else fpm_identity_service_pb2_grpc.FpmIdentityServiceServicer()  # type: ignore[abstract]
+        )
+        served = {
+            WEIGHT_VERSION: _implemented(
+                WeightVersionServicer, weight_version_service_pb2_grpc.WeightVersionServiceServicer, WEIGHT_VERSION
+            ),
+            WEIGHT_UPDATE: _implemented(
+                WeightUpdateServicer, weight_update_service_pb2_grpc.WeightUpdateServiceServicer, WEIGHT_UPDATE
+            ),
+            FPM_IDENTITY: _implemented(
+                type(identity_servicer), fpm_identity_service_pb2_grpc.FpmIdentityServiceServicer, FPM_IDENTITY
+            ),
+            FPM_STREAM: _implemented(
+                ForwardPassMetricsServicer,
+                forward_pass_metrics_service_pb2_grpc.ForwardPassMetricsServiceServicer,
+                FPM_STREAM,
+            ),
+            OPERATIONS: _implemented(OperationsServicer, operations_pb2_grpc.OperationsServicer, OPERATIONS),
+        }
+        self.supported_rpcs = [rpc for rpcs in served.values() for rpc in rpcs]
+        refused = _not_implemented(
+            (rpc for service in SERVICES for rpc in _every(service) if rpc not in served[service]),
+            "not in this release",
+        )
+        if updates is None:
+            every = (rpc for service in SERVICES for rpc in _every(service))
+            refused.update(
+                _not_implemented((rpc for rpc in every if rpc not in ENGINE_FREE), "it has no engine")
+            )
+        if rollouts is not None:  # vLLM's VllmEngine (server/rollouts.py): rollouts on this port
+            self.supported_rpcs.extend(rollouts.rpcs)
+
+        self._interceptor = RpcInterceptor(
             token=BearerToken(token) if token else None,
             log_reads=log_reads,
             on_done=metrics.rpc_done if metrics else None,
-            open_methods=rollouts.open(token_guards_rollouts) if rollouts else frozenset(),
-            guarded_methods=rollouts.guarded(token_guards_rollouts) if rollouts else frozenset(),
+            open_methods=rollouts.open_methods if rollouts else frozenset(),
+            guarded_methods=rollouts.guarded_methods if rollouts else frozenset(),
+            not_served=refused,
+            prompt_calls=prompt_calls,
         )
-        # The FPM relay's intake shares this loop: it takes smaller bites while a prompt call runs.
-        self.fpm_relay.defer_to = lambda: interceptor.prompt_calls > 0
         self._server = grpc.aio.server(
-            interceptors=[interceptor],
+            interceptors=[self._interceptor],
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -148,69 +195,20 @@ class ControlPlaneServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ],
         )
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-
-        # (pb2, pb2_grpc, service, servicer class or None, what its missing RPCs wait for)
-        services: list[tuple[Any, Any, str, Any, str]] = [
-            (
-                weight_version_service_pb2,
-                weight_version_service_pb2_grpc,
-                "WeightVersionService",
-                WeightVersionServicer,
-                "not implemented by this server",
-            ),
-            (
-                weight_update_service_pb2,
-                weight_update_service_pb2_grpc,
-                "WeightUpdateService",
-                WeightUpdateServicer,
-                "not implemented by this server",
-            ),
-            (
-                fpm_identity_service_pb2,
-                fpm_identity_service_pb2_grpc,
-                "FpmIdentityService",
-                FpmIdentityServicer if identity is not None else None,
-                "this server has no engine",
-            ),
-            (
-                forward_pass_metrics_service_pb2,
-                forward_pass_metrics_service_pb2_grpc,
-                "ForwardPassMetricsService",
-                ForwardPassMetricsServicer,
-                "",
-            ),
-            (operations_pb2, operations_pb2_grpc, "Operations", OperationsServicer, ""),
-        ]
-        self.service_names: list[str] = []
-        self.supported_rpcs: list[str] = []
-        completed: list[tuple[str, Any, type]] = []
-        for pb2, pb2_grpc, name, impl, arrives in services:
-            descriptor = pb2.DESCRIPTOR.services_by_name[name]
-            generated = getattr(pb2_grpc, f"{name}Servicer")
-            cls, implemented = _with_unimplemented(impl or generated, generated, descriptor, arrives)
-            add = getattr(impl, "add_to_server", None) or getattr(pb2_grpc, f"add_{name}Servicer_to_server")
-            completed.append((name, add, cls))
-            self.service_names.append(descriptor.full_name)
-            self.supported_rpcs.extend(implemented)
-        if rollouts is not None:  # vLLM's VllmEngine (server/rollouts.py): rollouts on this port
-            self.service_names.append(rollouts.name)
-            self.supported_rpcs.extend(rollouts.rpcs)
-        # Constructor arguments, once supported_rpcs (part of GetServerInfo) is known.
-        arguments: dict[str, tuple[Any, ...]] = {
-            "WeightVersionService": (ledger, updates),
-            "WeightUpdateService": (self._server_info(engine_info, token is not None), updates),
-            "Operations": (self.operations,),
-            "ForwardPassMetricsService": (self.fpm_relay,),
-        }
-        if identity is not None:
-            arguments["FpmIdentityService"] = (identity,)
-        for name, add, cls in completed:
-            add(cls(*arguments.get(name, ())), self._server)
+        server = self._server
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
+        weight_version_service_pb2_grpc.add_WeightVersionServiceServicer_to_server(
+            WeightVersionServicer(ledger, updates), server
+        )
+        weight_update_service_pb2_grpc.add_WeightUpdateServiceServicer_to_server(
+            WeightUpdateServicer(self._server_info(engine_info, token is not None), updates), server
+        )
+        fpm_identity_service_pb2_grpc.add_FpmIdentityServiceServicer_to_server(identity_servicer, server)
+        fpm_stream.add_to_server(ForwardPassMetricsServicer(self.fpm_relay), server)
+        operations_pb2_grpc.add_OperationsServicer_to_server(OperationsServicer(self.operations), server)
         if rollouts is not None:
-            rollouts.add_to_server(self._server, ledger, self.unhealthy)
-        enable_reflection((*self.service_names, health.SERVICE_NAME), self._server)
+            rollouts.add_to_server(server, ledger, self.health.unhealthy)
+        enable_reflection((*self.service_names, HEALTH_SERVICE), server)
 
     def _server_info(self, engine: EngineInfo | None, auth: bool) -> weight_update_service_pb2.GetServerInfoResponse:
         """The GetServerInfo answer: fixed for the life of this server."""
@@ -276,37 +274,9 @@ class ControlPlaneServer:
         return bound
 
     async def set_serving(self, serving: bool) -> None:
-        """Health of the whole server ("") and of every enginectl service: SERVING once the
-        server is up, unless quarantined; once the engine died it stays NOT_SERVING."""
-        self._serving = serving
-        await self._apply_health()
-
-    async def set_quarantined(self, quarantined: bool) -> None:
-        """An update failed part-way (or the engine holds its mixed weights again): NOT_SERVING
-        so routers, gateways and readiness probes take this server out, until an update
-        succeeds. A forced resume lets generation run but keeps the quarantine
-        (docs/operations.md, "Quarantine")."""
-        self._quarantined = quarantined
-        await self._apply_health()
-
-    def unhealthy(self) -> str:
-        """Why this server is NOT_SERVING ("" while SERVING): what vLLM's VllmEngine/HealthCheck
-        reports too, since gateways (SMG) ask only that (server/rollouts.py)."""
-        if self._engine_dead:
-            return "the engine died"
-        if self._stopping:
-            return "the server is shutting down"
-        if self._quarantined:
-            return "quarantined: the last update failed part-way and the weights may be mixed"
-        if not self._serving:
-            return "not serving yet (starting, or awaiting its worker identity)"
-        return ""
-
-    async def _apply_health(self) -> None:
-        serving = not self.unhealthy()
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", *self.service_names):
-            await self.health.set(name, status)
+        """Health of the whole server ("") and of every service: SERVING once the server is
+        up, unless quarantined; once the engine died it stays NOT_SERVING (ServingHealth)."""
+        await self.health.set_serving(serving)
 
     async def engine_dead(self, cause: str) -> None:
         """The engine died: from now on every RPC but health and reflection answers UNAVAILABLE
@@ -322,12 +292,11 @@ class ControlPlaneServer:
         self.ledger.close(Reason.ENGINE_DEAD, message)
         self.fpm_relay.close(Reason.ENGINE_DEAD, message)
         self.operations.close(Reason.ENGINE_DEAD, message)
-        await self.set_serving(False)
+        await self.health.engine_died()
 
     async def stop(self, grace: float) -> None:
         """Graceful stop: NOT_SERVING first, streams end with UNAVAILABLE, then the server."""
-        self._stopping = True
-        await self.health.enter_graceful_shutdown()
+        await self.health.stopping()
         self.ledger.close()
         self.fpm_relay.close()
         self.operations.close()  # calls waiting on an update end UNAVAILABLE SHUTTING_DOWN

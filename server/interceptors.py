@@ -12,7 +12,7 @@ import hmac
 import inspect
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -21,6 +21,7 @@ import structlog
 from grpc_status import rpc_status
 
 from enginectl.server.errors import ControlPlaneError, Reason, to_status
+from enginectl.server.prompt_calls import PromptCalls
 
 log = structlog.get_logger("enginectl.rpc")
 
@@ -29,8 +30,6 @@ REQUEST_ID_HEADER = "x-request-id"
 # mutates and needs the token. Default-deny: a new RPC is guarded until listed here.
 READ_ONLY_PREFIXES = ("Get", "List", "Watch", "Stream", "Wait", "Verify", "Subscribe", "HealthCheck")
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-# How long a unary call counts as prompt (RpcInterceptor.prompt_calls) at most.
-PROMPT_WINDOW_S = 0.1
 
 # While a read-only RPC of a server with a token runs: whether the call carried that token.
 # Reads stay open, but may show an authenticated caller more (GetServerInfo lists
@@ -155,18 +154,18 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
     - require the bearer token, when the server has one, on mutating RPCs but `open_methods`
       and on `guarded_methods`;
     - answer a request that does not parse with INVALID_ARGUMENT MALFORMED_REQUEST;
+    - answer the methods of `not_served` with their error (UNIMPLEMENTED NOT_IMPLEMENTED:
+      server/grpc_server.py says which), past the token and the parse, before any servicer;
     - turn a ControlPlaneError into a google.rpc.Status (ErrorInfo + BadRequest);
     - log it: every mutating RPC and every failure (refusals included) with rpc, request id,
       code and duration; successful reads (Get*, Watch*, health, reflection) only with
       `log_reads`, since pollers would flood the log and the line is most of a
       GetWeightVersion's cost (bench/);
     - report (rpc, code) to `on_done` (the metrics counter);
-    - count the prompt calls in flight (`prompt_calls`): unary calls but long polls (Wait*),
-      from the moment gRPC hands the call to the server until its status is sent or
-      PROMPT_WINDOW_S passed (a call that long, such as a pause waiting for requests or a
-      group waiting for its trainer, is not one a few milliseconds matter to). Work that
-      shares the control loop and can wait (the FPM relay's intake, server/fpm/relay_zmq.py)
-      takes smaller bites meanwhile.
+    - count the prompt calls in flight in `prompt_calls` (server/prompt_calls.py): unary calls
+      but long polls (Wait*), from the moment gRPC hands the call to the server until its
+      status is sent or the prompt window passed. Work that shares the control loop and can
+      wait (the FPM relay's intake, server/fpm/relay_zmq.py) takes smaller bites meanwhile.
     """
 
     def __init__(
@@ -177,6 +176,8 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         on_done: Callable[[str, str], None] | None = None,
         open_methods: frozenset[str] = frozenset(),
         guarded_methods: frozenset[str] = frozenset(),
+        not_served: Mapping[str, ControlPlaneError] | None = None,
+        prompt_calls: PromptCalls | None = None,
     ) -> None:
         self._token = token
         # "/pkg.Service/Method" names that need no token though they are not reads (vLLM's
@@ -188,7 +189,9 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
         self._prompt: dict[str, bool] = {}  # per method: whether its calls count in prompt_calls
         self._refusal: ControlPlaneError | None = None
-        self.prompt_calls = 0
+        # "/pkg.Service/Method" -> the error it answers with, whatever the request.
+        self._not_served = dict(not_served or {})
+        self._prompt_calls = prompt_calls if prompt_calls is not None else PromptCalls()
 
     def refuse(self, error: ControlPlaneError) -> None:
         """From now on, answer every call except health and reflection with `error` (e.g.
@@ -197,11 +200,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         self._refusal = error
 
     def _refused(self) -> ControlPlaneError | None:
-        """A fresh copy of the refusal (raising one instance again would grow its traceback)."""
-        refusal = self._refusal
-        if refusal is None:
-            return None
-        return ControlPlaneError(refusal.code, refusal.reason, refusal.message, metadata=refusal.metadata)
+        return None if self._refusal is None else _fresh(self._refusal)
 
     async def intercept_service(
         self,
@@ -223,25 +222,14 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             # sent, whatever happens before (a cancelled call too).
             call = asyncio.current_task()
             if call is not None:
-                self._count_prompt(call)
+                self._prompt_calls.track(call)
         return wrapped
-
-    def _count_prompt(self, call: asyncio.Task[Any]) -> None:
-        """Count `call` in prompt_calls until it ends or PROMPT_WINDOW_S passed."""
-        counted = True
-
-        def end(*_: object) -> None:
-            nonlocal counted
-            if counted:
-                counted = False
-                self.prompt_calls -= 1
-
-        self.prompt_calls += 1
-        call.add_done_callback(end)
-        asyncio.get_running_loop().call_later(PROMPT_WINDOW_S, end)
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner = _behavior(handler)
+        not_served = self._not_served.get(method)
+        if not_served is not None:
+            inner = _answering(not_served, streaming=handler.response_streaming)
         read_only = is_read_only(method)
         log_success = self._log_reads or not read_only
         on_done = self._on_done
@@ -346,6 +334,27 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
                     done(context, start, error)
 
         return _rebuild(handler, unary, parse)
+
+
+def _fresh(error: ControlPlaneError) -> ControlPlaneError:
+    """A copy of `error` to raise (raising one instance again would grow its traceback)."""
+    return ControlPlaneError(error.code, error.reason, error.message, metadata=error.metadata)
+
+
+def _answering(error: ControlPlaneError, *, streaming: bool) -> Callable[..., Any]:
+    """A behaviour that answers every call with `error`."""
+    if streaming:
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            raise _fresh(error)
+            yield  # pragma: no cover - makes this an async generator
+
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        raise _fresh(error)
+
+    return unary
 
 
 def _never() -> None:

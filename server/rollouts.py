@@ -17,7 +17,6 @@ metadata (common/rollout_trailers.py, docs/rollouts.md).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextvars
 import importlib.util
@@ -49,22 +48,6 @@ _labels: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("engi
 def available() -> bool:
     """Whether vLLM's gRPC servicer is installed (the server extras install it)."""
     return importlib.util.find_spec("smg_grpc_servicer") is not None
-
-
-def add_rollout_args(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--no-grpc-rollouts",
-        dest="grpc_rollouts",
-        action="store_false",
-        help=f"Do not serve vLLM's gRPC engine service ({SERVICE}: Generate, Abort, ...) on the "
-        "control port (served by default when smg-grpc-servicer is installed).",
-    )
-    group.add_argument(
-        "--token-guards-rollouts",
-        action="store_true",
-        help=f"Require the bearer token for every {SERVICE} RPC, generation and reads included "
-        "(by default only its admin RPCs need it: generation is the data plane).",
-    )
 
 
 def weight_trailers(labels: list[str], ledger: WeightVersionLedger) -> tuple[tuple[str, str], ...]:
@@ -186,6 +169,40 @@ class RolloutRelay:
             yield response
         context.set_trailing_metadata(weight_trailers(labels, self._ledger))
 
+    # Every other RPC: vLLM's servicer's answer, relayed as it is.
+
+    async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("Embed", request, context)
+
+    async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("FlushCache", request, context)
+
+    async def StartProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("StartProfile", request, context)
+
+    async def StopProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("StopProfile", request, context)
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("Abort", request, context)
+
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("GetModelInfo", request, context)
+
+    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("GetServerInfo", request, context)
+
+    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("GetLoads", request, context)
+
+    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for item in self._stream("GetTokenizer", request, context):
+            yield item
+
+    async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for item in self._stream("SubscribeKvEvents", request, context):
+            yield item
+
     async def _unary(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         call, shim = getattr(self._servicer, method), _Context(context)
         future = asyncio.run_coroutine_threadsafe(call(request, shim), self._engine_loop)
@@ -230,30 +247,6 @@ class RolloutRelay:
             future.cancel()  # the caller went away: vLLM aborts the request
 
 
-def _relay_method(name: str, streaming: bool) -> Callable[..., Any]:
-    if streaming:
-
-        async def stream(self: RolloutRelay, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for item in self._stream(name, request, context):
-                yield item
-
-        return stream
-
-    async def unary(self: RolloutRelay, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary(name, request, context)
-
-    return unary
-
-
-def _complete_relay() -> type[RolloutRelay]:
-    """RolloutRelay with a relaying method for every RPC of the service it does not define."""
-    from smg_grpc_proto import vllm_engine_pb2
-
-    methods = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].methods
-    missing = {m.name: _relay_method(m.name, m.server_streaming) for m in methods if not hasattr(RolloutRelay, m.name)}
-    return type("VllmEngineRelay", (RolloutRelay,), missing)
-
-
 def _methods() -> list[str]:
     from smg_grpc_proto import vllm_engine_pb2
 
@@ -275,11 +268,19 @@ def open_methods(guard_all: bool) -> frozenset[str]:
 
 
 class RolloutService:
-    """vLLM's `VllmEngine` service for the control plane's server (server/grpc_server.py)."""
+    """vLLM's `VllmEngine` service for the control plane's server (server/grpc_server.py).
+    With `guard_all` (--token-guards-rollouts) every RPC of it needs the token."""
 
     name = SERVICE
 
-    def __init__(self, llm: AsyncLLM, engine_loop: asyncio.AbstractEventLoop, *, log_requests: bool = False) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        engine_loop: asyncio.AbstractEventLoop,
+        *,
+        log_requests: bool = False,
+        guard_all: bool = False,
+    ) -> None:
         from smg_grpc_proto import vllm_engine_pb2
         from smg_grpc_servicer.vllm import VllmEngineServicer
 
@@ -288,17 +289,13 @@ class RolloutService:
         # Its per-request INFO line only with vLLM's --enable-log-requests, like vLLM's HTTP API.
         logging.getLogger("smg_grpc_servicer").setLevel(logging.INFO if log_requests else logging.WARNING)
         self._engine_loop = engine_loop
+        self.guarded_methods = guarded_methods(guard_all)  # see server/interceptors.py
+        self.open_methods = open_methods(guard_all)
 
     @property
     def rpcs(self) -> list[str]:
-        """Full names ("pkg.Service/Method") of the service's RPCs."""
-        return [f"{SERVICE}/{method.name}" for method in self.descriptor.methods]
-
-    def guarded(self, guard_all: bool) -> frozenset[str]:
-        return guarded_methods(guard_all)
-
-    def open(self, guard_all: bool) -> frozenset[str]:
-        return open_methods(guard_all)
+        """Full names ("pkg.Service/Method") of the service's RPCs that the relay serves."""
+        return [f"{SERVICE}/{method.name}" for method in self.descriptor.methods if hasattr(RolloutRelay, method.name)]
 
     def add_to_server(self, server: grpc.aio.Server, ledger: WeightVersionLedger, unhealthy: Callable[[], str]) -> None:
         """Serve VllmEngine on `server`; `unhealthy()` says why the control plane is
@@ -306,5 +303,5 @@ class RolloutService:
         from smg_grpc_proto import vllm_engine_pb2_grpc
 
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-            _complete_relay()(self._servicer, self._engine_loop, ledger, unhealthy), server
+            RolloutRelay(self._servicer, self._engine_loop, ledger, unhealthy), server
         )

@@ -24,33 +24,26 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 import structlog
 
-if TYPE_CHECKING:
-    import uvicorn
-
-    from enginectl.contract.engine import EngineConfig
-    from enginectl.server.engine import EngineAdapter
-    from enginectl.server.fpm.identity_gate import IdentityGate
-    from enginectl.server.fpm.relay_zmq import FpmRelayHost
-    from enginectl.server.grpc_server import ControlPlaneServer, TlsConfig
-    from enginectl.server.rollouts import RolloutService
-    from enginectl.server.weights.ledger import Fingerprint
-
-from enginectl.server.serve_args import (
-    StagingLimits,
-    allowed_roots,
+from enginectl.server.config import ServeConfig
+from enginectl.server.flags import (
     check_port_free,
     configure_engine_args,
     configure_logging,
     parse_args,
-    security,
-    staging_limits,
+    take_config,
 )
+from enginectl.server.wiring import StartupError, before_engine, rollout_service, start_control_plane
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from enginectl.server.engine import EngineAdapter
+    from enginectl.server.grpc_server import ControlPlaneServer
 
 log = structlog.get_logger("enginectl.serve")
 
@@ -66,99 +59,6 @@ ENGINE_DEAD_EXIT_BOUND_S = 30.0
 ENGINE_DEAD_EXIT_CODE = 1
 ENGINE_DEAD_REAP_TIMEOUT_S = 5.0
 ENGINE_DEAD_BACKSTOP_MARGIN_S = 3.0
-
-
-def hand_over_engine_config(args: argparse.Namespace, config: EngineConfig) -> None:
-    """Hand every EngineCore `config` (relay endpoint, incarnation, worker id: values that
-    change with every start or every worker) through the environment they inherit, and take
-    any `additional_config[CONFIG_KEY]` of the user's out of `additional_config` (serve's
-    flags decide those values). vLLM hashes `additional_config` into its compile-cache key,
-    so leaving them there would make every start of a compiled model miss that cache."""
-    from enginectl.contract.engine import CONFIG_KEY
-
-    if isinstance(getattr(args, "additional_config", None), dict):
-        args.additional_config.pop(CONFIG_KEY, None)
-    config.to_env()
-
-
-class StartupError(Exception):
-    """Serving cannot start (e.g. the gRPC port is taken); the process exits non-zero."""
-
-
-async def _start_plane(
-    engine: EngineAdapter,
-    token: str | None,
-    tls: TlsConfig | None,
-    host: str,
-    port: int,
-    log_reads: bool,
-    fpm: FpmRelayHost | None = None,
-    identity: IdentityGate | None = None,
-    weight_roots: list[Path] | None = None,
-    rollouts: RolloutService | None = None,
-    token_guards_rollouts: bool = False,
-    staging: StagingLimits | None = None,
-) -> tuple[ControlPlaneServer, int]:
-    """Build and start the gRPC server; runs on the control loop, which then owns it."""
-    from enginectl.contract.engine import UNDECLARED_LABEL
-    from enginectl.server.grpc_server import ControlPlaneServer
-    from enginectl.server.metrics import ControlPlaneMetrics
-    from enginectl.server.weights.disk import checkpoint_tensors
-    from enginectl.server.weights.ledger import WeightVersionLedger
-    from enginectl.server.weights.operations import OperationStore
-    from enginectl.server.weights.staging import DEFAULT_TTL_S
-    from enginectl.server.weights.updates import WeightUpdates
-
-    updates: WeightUpdates | None = None
-
-    async def fingerprint() -> Fingerprint:
-        assert updates is not None
-        return await updates.declaration_fingerprint()
-
-    ledger = WeightVersionLedger(
-        publish=engine.set_weight_version,
-        fingerprint=fingerprint,
-        incarnation=identity.incarnation if identity else None,
-    )
-    operations = OperationStore()
-    await engine.set_weight_version(UNDECLARED_LABEL)  # not vLLM's "default", which can be declared
-    expected = await asyncio.to_thread(checkpoint_tensors, engine.info.model)
-    metrics = ControlPlaneMetrics(ledger)
-    updates = WeightUpdates(
-        engine,
-        ledger,
-        operations,
-        allowed_roots=weight_roots or [],
-        expected=expected,
-        on_finished=metrics.update_done,
-        on_pause=metrics.pause_changed,
-        max_staged_bytes=staging.max_bytes if staging else None,
-        staged_ttl=staging.ttl if staging else DEFAULT_TTL_S,
-        on_staged_bytes=metrics.set_staged_bytes,
-    )
-    await updates.prepare()  # milliseconds
-    plane = ControlPlaneServer(
-        ledger,
-        engine_info=engine.info,
-        token=token,
-        tls=tls,
-        log_reads=log_reads,
-        metrics=metrics,
-        fpm_relay=fpm.start(ledger) if fpm else None,
-        identity=identity.sync(engine, on_synced=metrics.identity_synced) if identity else None,
-        updates=updates,
-        operations=operations,
-        rollouts=rollouts,
-        token_guards_rollouts=token_guards_rollouts,
-    )
-    await plane.set_serving(False)  # SERVING only once HTTP is up (and, if awaited, the identity)
-    try:
-        bound = await plane.start(host, port)
-    except RuntimeError as exc:  # grpcio raises when the port is taken
-        raise StartupError(f"could not bind gRPC to {host}:{port}: {exc}") from None
-    if bound == 0:
-        raise StartupError(f"could not bind gRPC to {host}:{port}")
-    return plane, bound
 
 
 async def _http_started(server: uvicorn.Server, http: asyncio.Task[Any], stop: asyncio.Event) -> None:
@@ -196,26 +96,10 @@ def _start_exit_backstop(exit_code: int) -> None:
     timer.start()
 
 
-def _rollout_service(
-    args: argparse.Namespace, engine: EngineAdapter, loop: asyncio.AbstractEventLoop
-) -> RolloutService | None:
-    """vLLM's gRPC engine service over this engine, unless turned off or not installed."""
-    from enginectl.server.rollouts import RolloutService, available
-
-    if not args.grpc_rollouts:
-        return None
-    if not available():
-        log.warning(
-            "grpc_rollouts_off", reason="smg-grpc-servicer is not installed", fix="pip install smg-grpc-servicer"
-        )
-        return None
-    return RolloutService(engine.client, loop, log_requests=bool(getattr(args, "enable_log_requests", False)))
-
-
 async def _start_engine(args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -> EngineAdapter:
     """Start vLLM's engine between a `starting engine` and an `engine ready` line. A KV-cache
-    size chosen for the user (serve_args.parse_args) is announced first, and a start that
-    fails with it names the flag that sets it."""
+    size chosen for the user (flags.parse_args) is announced first, and a start that fails
+    with it names the flag that sets it."""
     from enginectl.server.engine import EngineAdapter
 
     kv_default = getattr(args, "kv_cache_default", None)
@@ -237,8 +121,9 @@ async def _start_engine(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
     return engine
 
 
-async def serve(args: argparse.Namespace) -> int:
-    """Run until SIGTERM/SIGINT (or the engine dies); returns the exit code."""
+async def serve(args: argparse.Namespace, config: ServeConfig) -> int:
+    """Run until SIGTERM/SIGINT (or the engine dies); returns the exit code. `args` holds
+    vLLM's flags, `config` enginectl's (flags.take_config)."""
     import vllm.envs as envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
@@ -248,13 +133,10 @@ async def serve(args: argparse.Namespace) -> int:
 
     from enginectl.server.control_loop import ControlLoop
     from enginectl.server.engine_processes import adopt_orphans
-    from enginectl.server.fpm.identity_gate import configure_identity
-    from enginectl.server.fpm.relay_zmq import FpmRelayHost
 
-    grpc_port, args.grpc_port = args.grpc_port, None  # see build_parser
-    token, tls = security(args)
+    grpc = config.grpc
     validate_parsed_serve_args(args)
-    check_port_free(args.grpc_host, grpc_port)
+    check_port_free(grpc.host, grpc.port)
 
     _, sock = setup_server(args, reuse_port=False)  # binds the HTTP port before the engine starts
     http_port = sock.getsockname()[1]
@@ -263,10 +145,8 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    identity = configure_identity(args, loop, stop)  # before the engine, like the relay
-    fpm = FpmRelayHost.bind(args)  # before the engine: every EngineCore is told its endpoint
-    hand_over_engine_config(args, identity.engine_config(fpm.endpoint))
-    configure_engine_args(args)  # every worker gets enginectl's weight extension
+    before = before_engine(config, loop, stop)  # every EngineCore is told the relay's endpoint
+    configure_engine_args(args, before.engine_config)
     if not adopt_orphans():
         log.warning("not_a_subreaper", effect="a worker orphaned by a dead EngineCore may outlive this process")
     engine = await _start_engine(args, loop)
@@ -289,26 +169,11 @@ async def serve(args: argparse.Namespace) -> int:
         stop.set()
 
     engine.on_death(engine_died)
-    rollouts = _rollout_service(args, engine, loop)
+    rollouts = rollout_service(config.rollouts, engine, loop)
     exit_code = 0
     try:
         try:
-            started, bound = await control.run(
-                _start_plane(
-                    engine,
-                    token,
-                    tls,
-                    args.grpc_host,
-                    grpc_port,
-                    args.log_rpc_reads,
-                    fpm,
-                    identity,
-                    allowed_roots(args, engine.info.model),
-                    rollouts,
-                    args.token_guards_rollouts,
-                    staging_limits(args),
-                )
-            )
+            started, bound = await control.run(start_control_plane(engine, config, before, rollouts))
         except StartupError as exc:
             raise SystemExit(f"enginectl serve: {exc}") from None
         plane = started  # engine_died (another thread's callback) reads `plane`
@@ -346,14 +211,14 @@ async def serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await _http_started(app.state.server, http, stop)
-        await identity.wait_until_identified(
-            http, grpc_host=args.grpc_host, grpc_port=bound, http_host=args.host, http_port=http_port, pid=os.getpid()
+        await before.identity.wait_until_identified(
+            http, grpc_host=grpc.host, grpc_port=bound, http_host=args.host, http_port=http_port, pid=os.getpid()
         )
         if not stop.is_set() and not http.done():
             await control.run(started.set_serving(True))
             log.info(
                 "serving",
-                grpc_host=args.grpc_host,
+                grpc_host=grpc.host,
                 grpc_port=bound,
                 http_host=args.host,
                 http_port=http_port,
@@ -361,11 +226,11 @@ async def serve(args: argparse.Namespace) -> int:
                 served_model_name=engine.info.served_model_names[0],
                 dp_size=engine.info.data_parallel_size,
                 incarnation=started.ledger.incarnation,
-                auth=token is not None,
-                tls=tls is not None,
+                auth=grpc.token is not None,
+                tls=grpc.tls is not None,
                 pid=os.getpid(),
-                worker_id=args.worker_id,
-                await_worker_id=args.await_worker_id,
+                worker_id=config.identity.worker_id,
+                await_worker_id=config.identity.await_worker_id,
             )
 
         stopping = asyncio.create_task(stop.wait())
@@ -391,10 +256,10 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         reap_timeout = REAP_TIMEOUT_S if engine.death_cause is None else ENGINE_DEAD_REAP_TIMEOUT_S
         await asyncio.to_thread(engine.shutdown, reap_timeout)
-        await control.run(fpm.stop())
+        await control.run(before.fpm.stop())
         control.stop()
         sock.close()
-    exit_code = exit_code or identity.exit_code  # a failed sync with --await-worker-id
+    exit_code = exit_code or before.identity.exit_code  # a failed sync with --await-worker-id
     log.info("stopped", exit_code=exit_code)
     return exit_code
 
@@ -407,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cli_env_setup()
     args = parse_args(argv)
-    configure_logging(args.log_json)
+    config = take_config(args)
+    configure_logging(config.log_json)
     import uvloop
 
-    return uvloop.run(serve(args))
+    return uvloop.run(serve(args, config))

@@ -57,8 +57,8 @@ async def run(variant: str, host: str, port: int) -> int:
 
     ledger = WeightVersionLedger()  # an idle enginectl server's state: nothing declared
     if variant == "controlplane":
+        from enginectl.server.flags import configure_logging
         from enginectl.server.grpc_server import ControlPlaneServer
-        from enginectl.server.serve_args import configure_logging
 
         configure_logging(True)
         plane = ControlPlaneServer(ledger)
@@ -71,8 +71,8 @@ async def run(variant: str, host: str, port: int) -> int:
 
     interceptors = []
     if variant.startswith("intercepted"):
+        from enginectl.server.flags import configure_logging
         from enginectl.server.interceptors import RpcInterceptor
-        from enginectl.server.serve_args import configure_logging
 
         configure_logging(True)
         interceptors.append(RpcInterceptor(log_reads=variant == "intercepted"))

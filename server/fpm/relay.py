@@ -55,10 +55,6 @@ REPLAY_SCAN_LIMIT = 8_192
 _by_sequence = attrgetter("sequence")
 
 
-def _no_call() -> bool:
-    return False
-
-
 class RelayClosed(Exception):
     """The relay was closed: subscriptions end. `reason` (an ErrorInfo reason) says why:
     SHUTTING_DOWN, or ENGINE_DEAD when the engine died."""
@@ -221,9 +217,6 @@ class FpmRelay:
         # While set, samples with an empty worker_id are dropped here (--await-worker-id).
         self.require_identity = require_identity
         self.stats = RelayStats()
-        # While this says so (a prompt control call is running: server/grpc_server.py), the
-        # intake takes smaller bites of the loop (relay_zmq.py).
-        self.defer_to: Callable[[], bool] = _no_call
         self._live: set[Subscription] = set()
         self._subscriptions: set[Subscription] = set()
         self._closed = False

@@ -1,8 +1,8 @@
 """FpmRelayHost: the relay's ZMQ SUB socket, its private ipc:// endpoint and its reader.
 
-Runs in the `enginectl serve` process. `bind` runs before the engine starts (on the main
-thread): it creates a private temporary directory and binds a SUB socket (subscribed to
-everything) on `ipc://<dir>/fpm.sock`; serve hands every EngineCore that `endpoint` in its
+Runs in the `enginectl serve` process. It is built before the engine starts (on the main
+thread, server/wiring.py): it creates a private temporary directory and binds a SUB socket
+(subscribed to everything) on `ipc://<dir>/fpm.sock`; serve hands every EngineCore that `endpoint` in its
 EngineConfig (contract/engine.py), and each rank's publisher connects to it (the frames:
 contract/fpm.py). `start` runs on the control loop: it builds the FpmRelay and drains the
 socket from that loop's reader callback, without a task or an await per frame.
@@ -15,26 +15,21 @@ millisecond at a time:
 - it parses them PREPARE_SLICE at a time, one loop turn each (`FpmRelay.prepare`), and then
   commits them (sequence, keep, fan out: `FpmRelay.commit`) in one turn per part; fan-out
   stays per wakeup's batch (relay.py), so streams write as large messages as before;
-- while a prompt control call is in flight (FpmRelay.defer_to, counted by
+- while a prompt control call is in flight (`defer_to`: server/prompt_calls.py, counted by
   server/interceptors.py) a wakeup takes DEFERRING_* frames only.
 A control call's every loop turn (gRPC's event, the call's task, the handler, the answer)
-thus waits behind a slice, not a whole wakeup: under twice the zero-loss rate offered,
-GetWeightVersion took 21 / 46 ms p50 / p99 with whole wakeups (2,048 frames) and 5.4 / 17 ms
-sliced, with the same delivery (bench/fpm/phase.py, overload row).
+thus waits behind a slice, not a whole wakeup (bench/fpm/phase.py measures it).
 
 A wakeup that leaves frames behind comes back after YIELD_S rather than at once: with
-back-to-back wakeups the loop thread never paused, gRPC's own threads and the readers ran
-late on the shared cores, stream writes stalled for hundreds of milliseconds and delivery
-fell to a fifth of capacity (bench/fpm/phase.py, overload row; shorter pauses still lost a third
-of it at 2x overload). When the backlog outgrows INTAKE_BACKLOG, its oldest frames are
-relayed with `coalesce=True`: sequenced and kept, offered as the latest per (worker_id,
-dp_rank), the rest counted in each subscriber's `missed` (relay.py): overload is shed, never
-queued without bound.
+back-to-back wakeups the loop thread never pauses, and gRPC's own threads and the readers,
+running late on shared cores, stall stream writes. When the backlog outgrows INTAKE_BACKLOG,
+its oldest frames are relayed with `coalesce=True`: sequenced and kept, offered as the latest
+per (worker_id, dp_rank), the rest counted in each subscriber's `missed` (relay.py): overload
+is shed, never queued without bound.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import tempfile
 from collections import deque
@@ -68,7 +63,7 @@ COALESCE_BUDGET = 2048
 INTAKE_BACKLOG = 4 * DEFAULT_QUEUE_LIMIT
 # Pause between wakeups while behind: the loop polls (and releases the GIL) meanwhile.
 YIELD_S = 0.001
-# The budgets while a prompt control call runs (FpmRelay.defer_to): the frames a wakeup
+# The budgets while a prompt control call runs (`defer_to`): the frames a wakeup
 # leaves wait in ZMQ for a few milliseconds (RCV_HWM holds seconds of them).
 DEFERRING_READ_BUDGET = 128
 DEFERRING_RELAY_BUDGET = 64
@@ -89,34 +84,6 @@ class _Part:
     prepared: list[Relayed] = field(default_factory=list)
 
 
-def _at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    parse.__name__ = "integer"  # argparse names the type in its error message
-    return parse
-
-
-def add_fpm_relay_args(group: argparse._ArgumentGroup) -> None:
-    """The relay's `enginectl serve` flags."""
-    group.add_argument(
-        "--fpm-ring-size",
-        type=_at_least(1),
-        default=DEFAULT_RING_SIZE,
-        help=f"Forward-pass metrics samples kept for resuming streams (default {DEFAULT_RING_SIZE}).",
-    )
-    group.add_argument(
-        "--fpm-subscriber-queue",
-        type=_at_least(2),
-        default=DEFAULT_QUEUE_LIMIT,
-        help="Samples queued per stream before it coalesces to the latest per "
-        f"(worker_id, dp_rank) and counts the rest as missed (default {DEFAULT_QUEUE_LIMIT}).",
-    )
-
-
 class FpmRelayHost:
     """Owns the SUB socket and temp dir; feeds an FpmRelay from the control loop."""
 
@@ -127,9 +94,12 @@ class FpmRelayHost:
         queue_limit: int = DEFAULT_QUEUE_LIMIT,
         require_identity: bool = False,
         intake_backlog: int = INTAKE_BACKLOG,
+        defer_to: Callable[[], bool] = lambda: False,
     ) -> None:
         if ring_size < 1 or queue_limit < 2:
             raise ValueError("--fpm-ring-size must be >= 1 and --fpm-subscriber-queue >= 2")
+        # While this says so (a prompt control call is in flight), a wakeup takes small bites.
+        self._defer_to = defer_to
         self._ring_size = ring_size
         self._queue_limit = queue_limit
         self._require_identity = require_identity
@@ -150,15 +120,6 @@ class FpmRelayHost:
         self._parts: list[_Part] = []
         self._drained = True  # the last read emptied the socket
         self._resume: asyncio.Handle | None = None  # the wakeup's next step, or the next wakeup
-
-    @classmethod
-    def bind(cls, args: argparse.Namespace) -> FpmRelayHost:
-        """Bind before the engine starts, so `endpoint` can go into every EngineCore's config."""
-        return cls(
-            ring_size=args.fpm_ring_size,
-            queue_limit=args.fpm_subscriber_queue,
-            require_identity=bool(getattr(args, "await_worker_id", False)),
-        )
 
     def start(self, ledger: WeightVersionLedger, *, export_metrics: bool = True) -> FpmRelay:
         """Build the relay (incarnation and revisions from `ledger`) and start draining the
@@ -209,7 +170,7 @@ class FpmRelayHost:
         relay, backlog = self.relay, self._backlog
         assert relay is not None
         self._resume = None
-        if relay.defer_to():
+        if self._defer_to():
             read, relayed, coalesced = DEFERRING_READ_BUDGET, DEFERRING_RELAY_BUDGET, DEFERRING_RELAY_BUDGET
         else:
             read, relayed, coalesced = READ_BUDGET, RELAY_BUDGET, COALESCE_BUDGET

@@ -8,7 +8,7 @@ Two real servers (tests/support/serving.py), each started, used and stopped with
   size that fits the machine, announced in one line naming the flag that overrides it.
 
 The rule that picks that size, and which flags opt out of it, are checked on the flag parser
-itself (server/serve_args.py, server/default_model.py), without an engine, in
+itself (server/flags.py, server/default_model.py), without an engine, in
 tests/unit/test_serve_output.py.
 """
 

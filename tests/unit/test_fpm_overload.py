@@ -24,7 +24,7 @@ from support.fpm_helpers import HEARTBEAT, STEP, read_until, request
 
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
-from enginectl.server import interceptors
+from enginectl.server import prompt_calls
 from enginectl.server.fpm.relay import FpmRelay, Subscription
 from enginectl.server.fpm.relay_zmq import (
     COALESCE_BUDGET,
@@ -35,6 +35,7 @@ from enginectl.server.fpm.relay_zmq import (
 )
 from enginectl.server.fpm.samples import SampleFilter
 from enginectl.server.grpc_server import ControlPlaneServer
+from enginectl.server.prompt_calls import PromptCalls
 from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
 from enginectl.weights.v1 import weight_version_service_pb2_grpc as wv_grpc
@@ -123,14 +124,33 @@ async def hold() -> Hold:
     return Hold()
 
 
+class Intake:
+    """The relay host's `defer_to`, as serve wires it (the server's prompt-call count), with a
+    hook a test may set to see each wakeup begin (it asks `defer_to` first)."""
+
+    def __init__(self) -> None:
+        self.prompt = PromptCalls()
+        self.on_wakeup: Callable[[], None] | None = None
+
+    def defer_to(self) -> bool:
+        if self.on_wakeup is not None:
+            self.on_wakeup()
+        return self.prompt.any()
+
+
 @pytest.fixture
-async def flooded(hold: Hold) -> AsyncIterator[tuple[FpmRelay, Flood, str]]:
+async def intake() -> Intake:
+    return Intake()
+
+
+@pytest.fixture
+async def flooded(hold: Hold, intake: Intake) -> AsyncIterator[tuple[FpmRelay, Flood, str]]:
     """A relay behind a real gRPC server on this loop (with the Hold RPC), and a connected
     flood publisher."""
-    host = FpmRelayHost(ring_size=BURST + MORE_AT_MOST, intake_backlog=BACKLOG)
+    host = FpmRelayHost(ring_size=BURST + MORE_AT_MOST, intake_backlog=BACKLOG, defer_to=intake.defer_to)
     ledger = WeightVersionLedger()
     relay = host.start(ledger, export_metrics=False)
-    plane = ControlPlaneServer(ledger, fpm_relay=relay)
+    plane = ControlPlaneServer(ledger, fpm_relay=relay, prompt_calls=intake.prompt)
     plane._server.add_generic_rpc_handlers((hold.handler(),))  # the test's RPC only
     port = await plane.start("127.0.0.1", 0)
     await plane.set_serving(True)
@@ -215,7 +235,9 @@ async def test_intake_works_through_a_backlog_in_bounded_wakeups(
     assert drain(relay.subscribe(flood_filter, resume_after=head)) == list(range(1, BURST + 1))
 
 
-async def test_a_wakeup_lets_the_loop_run_between_its_slices(flooded: tuple[FpmRelay, Flood, str]) -> None:
+async def test_a_wakeup_lets_the_loop_run_between_its_slices(
+    flooded: tuple[FpmRelay, Flood, str], intake: Intake
+) -> None:
     """A wakeup parses its frames a slice per loop turn and commits them after: a task on the
     same loop runs in between (so a control call's next step waits behind a slice, not a
     whole wakeup). Seen from a task that counts its own turns: a wakeup begins (the relay
@@ -224,13 +246,12 @@ async def test_a_wakeup_lets_the_loop_run_between_its_slices(flooded: tuple[FpmR
     turns = 0
     began: list[int] = []  # the task's turn count when each wakeup began
 
-    def defer_to() -> bool:
+    def wakeup() -> None:
         began.append(turns)
-        return False
 
-    # A probe in place of the server's own `defer_to` (which would answer False too: no call
-    # is in flight): nothing else public marks the moment a wakeup begins.
-    relay.defer_to = defer_to
+    # A probe on the host's `defer_to` (which answers False: no call is in flight): nothing
+    # else public marks the moment a wakeup begins.
+    intake.on_wakeup = wakeup
     head, target = relay.head, relay.head + BURST
     moved: list[tuple[int, int]] = []  # (turn, frames committed since the last move)
     flood.send(BURST)  # blocks the loop: the burst waits in the relay's socket
@@ -273,7 +294,7 @@ async def held(channel: grpc.aio.Channel, hold: Hold) -> grpc.aio.UnaryUnaryCall
 
 
 async def test_intake_takes_small_bites_while_a_control_call_runs(
-    flooded: tuple[FpmRelay, Flood, str], hold: Hold, monkeypatch: pytest.MonkeyPatch
+    flooded: tuple[FpmRelay, Flood, str], hold: Hold, intake: Intake, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While a unary call is in flight on the server, each intake wakeup sequences at most
     the deferring budgets' worth of frames; once it is answered, the intake takes its full
@@ -286,30 +307,30 @@ async def test_intake_takes_small_bites_while_a_control_call_runs(
     # The prompt window is a module constant read per call. It is raised here so a held call
     # counts for as long as a loaded machine takes to work through the burst, and set to
     # zero below to see a call outlive it without waiting; server, sockets and calls are real.
-    monkeypatch.setattr(interceptors, "PROMPT_WINDOW_S", 60.0)
+    monkeypatch.setattr(prompt_calls, "PROMPT_WINDOW_S", 60.0)
     async with grpc.aio.insecure_channel(target) as channel:
         stream = svc_grpc.ForwardPassMetricsServiceStub(channel).StreamForwardPassMetrics(request(["x"]))
         assert (await asyncio.wait_for(stream.read(), 30)).HasField("progress")
-        assert not relay.defer_to(), "an open stream made the intake defer"
+        assert not intake.prompt.any(), "an open stream made the intake defer"
         call = await held(channel, hold)
-        assert relay.defer_to()
+        assert intake.prompt.any()
         flood.send(BURST)  # blocks the loop: the burst waits in the relay's socket
         deferring, taken = await heads_while(relay, reader, BURST // 4)
         hold.release.set()
         assert await call == b""
         full, _ = await heads_while(relay, reader, BURST - taken)
-        assert not relay.defer_to()
+        assert not intake.prompt.any()
 
         cancelled = await held(channel, hold)
-        assert relay.defer_to()
+        assert intake.prompt.any()
         cancelled.cancel()  # the server learns of it asynchronously
         await hold.ended()
-        assert not relay.defer_to(), "a cancelled call left the intake deferring"
+        assert not intake.prompt.any(), "a cancelled call left the intake deferring"
 
         # A zero window lapses on the loop's next turn, before the call's handler runs.
-        monkeypatch.setattr(interceptors, "PROMPT_WINDOW_S", 0.0)
+        monkeypatch.setattr(prompt_calls, "PROMPT_WINDOW_S", 0.0)
         long = await held(channel, hold)
-        assert not relay.defer_to(), "a call past the prompt window kept the intake deferring"
+        assert not intake.prompt.any(), "a call past the prompt window kept the intake deferring"
         hold.release.set()
         assert await long == b""
         stream.cancel()

@@ -13,9 +13,9 @@ SERVICE = "vllm.grpc.engine.VllmEngine"
 def test_flags_turn_the_service_off_or_guard_all_of_it() -> None:
     """Who needs the token (docs/rollouts.md): generation is open by default, the admin RPCs
     are not; --token-guards-rollouts guards every RPC; --no-grpc-rollouts serves none."""
+    from enginectl.server.flags import build_parser
     from enginectl.server.interceptors import is_read_only
     from enginectl.server.rollouts import guarded_methods, open_methods
-    from enginectl.server.serve_args import build_parser
 
     def needs_token(method: str, guard_all: bool) -> bool:  # as RpcInterceptor decides
         return method in guarded_methods(guard_all) or (

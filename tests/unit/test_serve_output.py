@@ -1,5 +1,5 @@
 """The rule that picks the KV-cache size `enginectl serve` starts a user's model with, and which
-flags opt out of it, checked on the flag parser itself (server/serve_args.py,
+flags opt out of it, checked on the flag parser itself (server/flags.py,
 server/default_model.py), without an engine. What a real server logs, and that it starts
 with that size, is in tests/e2e/test_serve_output.py.
 """
@@ -43,7 +43,7 @@ def cache_env(monkeypatch: pytest.MonkeyPatch, serve_env: dict[str, str]) -> Non
 
 @pytest.mark.usefixtures("cache_env")
 def test_flags_the_memory_default_leaves_alone(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from enginectl.server.serve_args import parse_args
+    from enginectl.server.flags import parse_args
 
     model = ["--model", str(model_dir)]
     chosen = parse_args(model)
@@ -70,7 +70,7 @@ def test_flags_the_memory_default_leaves_alone(model_dir: Path, monkeypatch: pyt
 
 @pytest.mark.usefixtures("cache_env")
 def test_embedded_model_is_served_as_enginectl_tiny_unless_named() -> None:
-    from enginectl.server.serve_args import parse_args
+    from enginectl.server.flags import parse_args
 
     embedded = parse_args([])
     assert embedded.served_model_name == [SERVED_MODEL_NAME]

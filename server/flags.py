@@ -1,7 +1,11 @@
-"""What `enginectl serve` reads before anything starts: its flags (vLLM's plus enginectl's),
-the embedded model's defaults, the token and TLS files, logging, and a free gRPC port.
+"""Every flag of `enginectl serve`: vLLM's, enginectl's, and what enginectl's mean.
 
-Pure configuration, no state: server/serve.py runs the process from what this returns.
+Runs in the `enginectl serve` process, on the main thread, before anything starts. The one
+module that defines an enginectl flag or reads one off the Namespace: `parse_args` parses
+(with the embedded model's defaults), `take_config` checks enginectl's flags and turns them
+into the typed values (server/config.py) that server/wiring.py and server/serve.py take, and
+`configure_engine_args` sets the vLLM arguments enginectl needs. Also the token and TLS
+files, logging, and a free gRPC port. Pure configuration, no state.
 """
 
 from __future__ import annotations
@@ -12,19 +16,37 @@ import logging
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 
+from enginectl.server.config import (
+    FpmRelayConfig,
+    GrpcConfig,
+    IdentityConfig,
+    RolloutConfig,
+    ServeConfig,
+    TlsConfig,
+    UpdateConfig,
+)
+from enginectl.server.errors import ControlPlaneError
+from enginectl.server.fpm.identity import check_worker_id
+from enginectl.server.fpm.relay import DEFAULT_QUEUE_LIMIT, DEFAULT_RING_SIZE
+from enginectl.server.rollouts import SERVICE as ROLLOUT_SERVICE
 from enginectl.server.weights.staging import DEFAULT_TTL_S
 
 if TYPE_CHECKING:
-    from enginectl.server.grpc_server import TlsConfig
+    from enginectl.contract.engine import EngineConfig
+
+log = structlog.get_logger("enginectl.fpm")  # the one warning here is about the FPM publisher
 
 DEFAULT_GRPC_PORT = 50051
 TOKEN_ENV = "ENGINECTL_TOKEN"
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+WORKER_EXTENSION = "enginectl.worker.weights.extension.EnginectlWorkerExtension"
+SCHEDULER = "enginectl.worker.fpm.scheduler.make_scheduler"
 # vLLM flags that suit the embedded tiny model on any machine; explicit flags still win.
 DEFAULT_MODEL_FLAGS = (
     "--dtype",
@@ -94,23 +116,74 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Also log successful read RPCs (Get*, Watch*, health); mutations and failures are always logged.",
     )
-    from enginectl.server.fpm.relay_zmq import add_fpm_relay_args
-
-    add_fpm_relay_args(group)
-    from enginectl.server.fpm.identity_gate import add_identity_args
-
-    add_identity_args(group)
-    add_weight_update_args(group)
-    from enginectl.server.rollouts import add_rollout_args
-
-    add_rollout_args(group)
+    _add_fpm_relay_args(group)
+    _add_identity_args(group)
+    _add_weight_update_args(group)
+    _add_rollout_args(group)
     return parser
 
 
-WORKER_EXTENSION = "enginectl.worker.weights.extension.EnginectlWorkerExtension"
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its error message
+    return parse
 
 
-def add_weight_update_args(group: argparse._ArgumentGroup) -> None:
+def _add_fpm_relay_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--fpm-ring-size",
+        type=_at_least(1),
+        default=DEFAULT_RING_SIZE,
+        help=f"Forward-pass metrics samples kept for resuming streams (default {DEFAULT_RING_SIZE}).",
+    )
+    group.add_argument(
+        "--fpm-subscriber-queue",
+        type=_at_least(2),
+        default=DEFAULT_QUEUE_LIMIT,
+        help="Samples queued per stream before it coalesces to the latest per "
+        f"(worker_id, dp_rank) and counts the rest as missed (default {DEFAULT_QUEUE_LIMIT}).",
+    )
+
+
+def _add_identity_args(group: argparse._ArgumentGroup) -> None:
+    mode = group.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--worker-id",
+        default="",
+        help="Worker identity stamped on every forward-pass metrics sample of every "
+        "data-parallel rank, from the first one (1 to 256 bytes of UTF-8).",
+    )
+    mode.add_argument(
+        "--await-worker-id",
+        action="store_true",
+        help="Start without a worker identity: gRPC health stays NOT_SERVING and no "
+        "sample leaves the relay until FpmIdentityService.SetWorkerIdentity succeeds "
+        "on every rank (for pre-warmed or snapshot-restored engines).",
+    )
+    group.add_argument(
+        "--identity-sync-failure",
+        choices=("exit", "retry"),
+        default="exit",
+        help="With --await-worker-id, what a failed SetWorkerIdentity does: exit "
+        "(default: shut the engine down and exit non-zero) or retry (log it and "
+        "wait for another SetWorkerIdentity; health stays NOT_SERVING until one succeeds).",
+    )
+    group.add_argument(
+        "--fpm-heartbeat-interval",
+        type=float,
+        default=DEFAULT_HEARTBEAT_INTERVAL_S,
+        metavar="SECONDS",
+        help="Each rank sends a heartbeat sample after this long without a step "
+        f"(default {DEFAULT_HEARTBEAT_INTERVAL_S}).",
+    )
+
+
+def _add_weight_update_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--allow-weights-from",
         dest="allow_weights_from",
@@ -139,31 +212,81 @@ def add_weight_update_args(group: argparse._ArgumentGroup) -> None:
     )
 
 
-@dataclass(frozen=True)
-class StagingLimits:
-    max_bytes: int | None  # None: the served model's size
-    ttl: float
+def _add_rollout_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--no-grpc-rollouts",
+        dest="grpc_rollouts",
+        action="store_false",
+        help=f"Do not serve vLLM's gRPC engine service ({ROLLOUT_SERVICE}: Generate, Abort, ...) on the "
+        "control port (served by default when smg-grpc-servicer is installed).",
+    )
+    group.add_argument(
+        "--token-guards-rollouts",
+        action="store_true",
+        help=f"Require the bearer token for every {ROLLOUT_SERVICE} RPC, generation and reads included "
+        "(by default only its admin RPCs need it: generation is the data plane).",
+    )
 
 
-def staging_limits(args: argparse.Namespace) -> StagingLimits:
+def take_config(args: argparse.Namespace) -> ServeConfig:
+    """Check enginectl's flags (SystemExit with the reason when one is wrong), read the token
+    and TLS files, and take enginectl's flags off `args`: vLLM's --grpc-port is enginectl's
+    here (build_parser) and is cleared, so vLLM does not validate it as its own."""
+    token, tls = security(args)
+    if args.worker_id:
+        try:
+            check_worker_id(args.worker_id)
+        except ControlPlaneError as err:
+            raise SystemExit(f"enginectl serve: --worker-id: {err.message}") from None
+    if not args.fpm_heartbeat_interval > 0:
+        raise SystemExit("enginectl serve: --fpm-heartbeat-interval must be more than 0")
     if args.max_staged_bytes is not None and args.max_staged_bytes < 0:
         raise SystemExit("enginectl serve: --max-staged-bytes must be >= 0")
     if args.staged_weights_ttl <= 0:
         raise SystemExit("enginectl serve: --staged-weights-ttl must be > 0")
-    return StagingLimits(args.max_staged_bytes, args.staged_weights_ttl)
+    grpc_port, args.grpc_port = args.grpc_port, None
+    return ServeConfig(
+        grpc=GrpcConfig(args.grpc_host, grpc_port, token, tls, bool(args.log_rpc_reads)),
+        fpm=FpmRelayConfig(args.fpm_ring_size, args.fpm_subscriber_queue),
+        identity=IdentityConfig(
+            worker_id=args.worker_id,
+            await_worker_id=bool(args.await_worker_id),
+            exit_on_failure=args.identity_sync_failure == "exit",
+            heartbeat_interval_s=float(args.fpm_heartbeat_interval),
+        ),
+        updates=UpdateConfig(tuple(args.allow_weights_from), args.max_staged_bytes, args.staged_weights_ttl),
+        rollouts=RolloutConfig(
+            enabled=bool(args.grpc_rollouts),
+            token_guards=bool(args.token_guards_rollouts),
+            log_requests=bool(getattr(args, "enable_log_requests", False)),
+        ),
+        log_json=bool(args.log_json),
+    )
 
 
-def configure_engine_args(args: argparse.Namespace) -> None:
-    """Before the engine starts: every worker gets enginectl's weight extension."""
+def configure_engine_args(args: argparse.Namespace, engine_config: EngineConfig) -> None:
+    """Before the engine starts: every worker gets enginectl's weight extension, every
+    EngineCore enginectl's scheduler (unless the user named their own) and `engine_config`
+    (relay endpoint, incarnation, worker id: values that change with every start or every
+    worker), through the environment they inherit. Any `additional_config[CONFIG_KEY]` of the
+    user's is taken out of `additional_config` (serve's flags decide those values): vLLM hashes
+    `additional_config` into its compile-cache key, so leaving them there would make every
+    start of a compiled model miss that cache."""
+    from enginectl.contract.engine import CONFIG_KEY
+
     if not getattr(args, "worker_extension_cls", None):
         args.worker_extension_cls = WORKER_EXTENSION
-
-
-def allowed_roots(args: argparse.Namespace, model: str) -> list[Path]:
-    roots = [Path(p).resolve() for p in args.allow_weights_from]
-    if not roots and Path(model).is_dir():
-        roots = [Path(model).resolve().parent]
-    return roots
+    if args.scheduler_cls is None:
+        args.scheduler_cls = SCHEDULER
+    else:  # the user's own scheduler: it has neither the publisher nor the identity
+        log.warning(
+            "fpm_publisher_disabled",
+            scheduler_cls=str(args.scheduler_cls),
+            reason="--scheduler-cls is not enginectl's; SetWorkerIdentity will fail",
+        )
+    if isinstance(getattr(args, "additional_config", None), dict):
+        args.additional_config.pop(CONFIG_KEY, None)
+    engine_config.to_env()
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -229,8 +352,6 @@ def load_token(args: argparse.Namespace) -> str | None:
 
 
 def load_tls(args: argparse.Namespace) -> TlsConfig | None:
-    from enginectl.server.grpc_server import TlsConfig
-
     if args.tls_cert is None and args.tls_key is None:
         if args.tls_client_ca is not None:
             raise SystemExit("enginectl serve: --tls-client-ca needs --tls-cert and --tls-key")

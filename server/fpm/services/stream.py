@@ -2,12 +2,13 @@
 
 Runs in the `enginectl serve` process, on the control loop. Thin on purpose: it validates
 the request, translates it into a relay subscription, and turns what the subscription
-hands out into batch and progress messages; the rules live in relay.py.
+hands out into batch and progress messages; the rules live in server/fpm/relay.py.
 
 Batches go out pre-encoded: each sample's wire form is built once, by the first stream that
-sends it (samples.py `Relayed.stamp`), and shared by every stream, and a batch message is
-their concatenation (the same bytes protobuf would produce). With 8 subscribers at 50,000 samples/s, copying each sample into a message per
-stream and serializing it again was most of the relay's CPU (bench/fpm/phase.py).
+sends it (server/fpm/samples.py `Relayed.stamp`), and shared by every stream, and a batch message is
+their concatenation (the same bytes protobuf would produce): copying each sample into a
+message per stream and serializing it again would cost the relay most of its CPU. So the
+service is registered with `add_to_server` here, not the generated function.
 """
 
 from __future__ import annotations
@@ -79,28 +80,29 @@ def parse_batch_size(request: pb2.StreamForwardPassMetricsRequest) -> int:
     return request.max_batch_size or DEFAULT_BATCH_SIZE
 
 
+def add_to_server(servicer: ForwardPassMetricsServicer, server: grpc.aio.Server) -> None:
+    """Register like the generated add_ForwardPassMetricsServiceServicer_to_server, with a
+    response serializer that passes pre-encoded batches through."""
+    handler = grpc.unary_stream_rpc_method_handler(
+        servicer.StreamForwardPassMetrics,
+        request_deserializer=pb2.StreamForwardPassMetricsRequest.FromString,
+        response_serializer=_serialize,
+    )
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                pb2.DESCRIPTOR.services_by_name["ForwardPassMetricsService"].full_name,
+                {"StreamForwardPassMetrics": handler},
+            ),
+        )
+    )
+
+
 class ForwardPassMetricsServicer(pb2_grpc.ForwardPassMetricsServiceServicer):
     """Serves StreamForwardPassMetrics from one relay."""
 
     def __init__(self, relay: FpmRelay) -> None:
         self._relay = relay
-
-    @staticmethod
-    def add_to_server(servicer: ForwardPassMetricsServicer, server: grpc.aio.Server) -> None:
-        """Register like the generated add_...Servicer_to_server, with a response serializer
-        that passes pre-encoded batches through."""
-        handler = grpc.unary_stream_rpc_method_handler(
-            servicer.StreamForwardPassMetrics,
-            request_deserializer=pb2.StreamForwardPassMetricsRequest.FromString,
-            response_serializer=_serialize,
-        )
-        server.add_generic_rpc_handlers(
-            (
-                grpc.method_handlers_generic_handler(
-                    "enginectl.fpm.v1.ForwardPassMetricsService", {"StreamForwardPassMetrics": handler}
-                ),
-            )
-        )
 
     def _progress(self, sequence: int) -> pb2.StreamForwardPassMetricsResponse:
         relay = self._relay

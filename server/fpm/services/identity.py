@@ -1,7 +1,7 @@
 """FpmIdentityService servicer: proto <-> IdentitySync.
 
 Runs in the `enginectl serve` process, on the control loop. Thin on purpose: the rules live
-in identity.py; errors raised as ControlPlaneError become google.rpc.Status in the
+in server/fpm/identity.py; errors raised as ControlPlaneError become google.rpc.Status in the
 interceptor (which also requires the token for SetWorkerIdentity, a mutating RPC).
 """
 

@@ -1,0 +1,165 @@
+"""The control plane's objects of one `enginectl serve`, each built once, in dependency order.
+
+Runs in the `enginectl serve` process. Every collaborator and callback is handed to the
+constructor that needs it; nothing is reached into afterwards. Three steps, as serve.py runs
+them (server/flags.py has already turned the flags into a ServeConfig, server/config.py):
+
+- `before_engine`, on the main loop before the engine starts: the server's incarnation, the
+  prompt-call counter (shared by the RPC interceptor, which counts, and the FPM relay's
+  intake, which defers), the identity gate and the relay's socket, whose endpoint goes into
+  the EngineConfig every EngineCore is handed;
+- `rollout_service`, on the main loop once the engine is up: vLLM's gRPC engine service over
+  it, unless turned off or not installed;
+- `start_control_plane`, on the control loop: fingerprints, ledger, operations, metrics,
+  health, weight updates, relay, identity sync, then the gRPC server, bound and started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+
+from enginectl.contract.engine import UNDECLARED_LABEL, EngineConfig
+from enginectl.server.config import RolloutConfig, ServeConfig
+from enginectl.server.fpm.identity import IdentitySync
+from enginectl.server.fpm.identity_gate import IdentityGate
+from enginectl.server.fpm.relay_zmq import FpmRelayHost
+from enginectl.server.grpc_server import ControlPlaneServer, service_names
+from enginectl.server.health import ServingHealth
+from enginectl.server.metrics import ControlPlaneMetrics
+from enginectl.server.prompt_calls import PromptCalls
+from enginectl.server.weights.disk import checkpoint_tensors
+from enginectl.server.weights.fingerprints import WeightFingerprints
+from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.operations import OperationStore
+from enginectl.server.weights.updates import WeightUpdates
+
+if TYPE_CHECKING:
+    from enginectl.server.engine import EngineAdapter
+    from enginectl.server.rollouts import RolloutService
+
+log = structlog.get_logger("enginectl.serve")
+
+
+class StartupError(Exception):
+    """Serving cannot start (e.g. the gRPC port is taken); the process exits non-zero."""
+
+
+@dataclass(frozen=True)
+class BeforeEngine:
+    """What is built before the engine starts (see `before_engine`)."""
+
+    incarnation: str  # the server's, handed to every EngineCore and the ledger
+    prompt_calls: PromptCalls
+    identity: IdentityGate
+    fpm: FpmRelayHost
+    engine_config: EngineConfig  # what every EngineCore of this start is handed
+
+
+def before_engine(config: ServeConfig, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> BeforeEngine:
+    """Build what the EngineCores must know of before they start; on the main loop."""
+    incarnation = secrets.token_hex(8)
+    prompt_calls = PromptCalls()
+    identity = IdentityGate(
+        await_worker_id=config.identity.await_worker_id,
+        exit_on_failure=config.identity.exit_on_failure,
+        loop=loop,
+        stop=stop,
+    )
+    fpm = FpmRelayHost(
+        ring_size=config.fpm.ring_size,
+        queue_limit=config.fpm.queue_limit,
+        require_identity=config.identity.await_worker_id,
+        defer_to=prompt_calls.any,
+    )
+    engine_config = EngineConfig(
+        fpm_endpoint=fpm.endpoint,
+        worker_id=config.identity.worker_id,
+        await_worker_id=config.identity.await_worker_id,
+        heartbeat_interval_s=config.identity.heartbeat_interval_s,
+        incarnation=incarnation,
+    )
+    return BeforeEngine(incarnation, prompt_calls, identity, fpm, engine_config)
+
+
+def rollout_service(
+    config: RolloutConfig, engine: EngineAdapter, loop: asyncio.AbstractEventLoop
+) -> RolloutService | None:
+    """vLLM's gRPC engine service over this engine, unless turned off or not installed; on the
+    engine's loop (`loop`), where it runs."""
+    from enginectl.server.rollouts import RolloutService, available
+
+    if not config.enabled:
+        return None
+    if not available():
+        log.warning(
+            "grpc_rollouts_off", reason="smg-grpc-servicer is not installed", fix="pip install smg-grpc-servicer"
+        )
+        return None
+    return RolloutService(engine.client, loop, log_requests=config.log_requests, guard_all=config.token_guards)
+
+
+async def start_control_plane(
+    engine: EngineAdapter, config: ServeConfig, before: BeforeEngine, rollouts: RolloutService | None
+) -> tuple[ControlPlaneServer, int]:
+    """Build and start the gRPC server and everything behind it; runs on the control loop,
+    which then owns them. Returns the server and its bound port."""
+    fingerprints = WeightFingerprints(engine)
+    ledger = WeightVersionLedger(
+        publish=engine.set_weight_version, fingerprint=fingerprints.declaration, incarnation=before.incarnation
+    )
+    operations = OperationStore()
+    await engine.set_weight_version(UNDECLARED_LABEL)  # not vLLM's "default", which can be declared
+    expected = await asyncio.to_thread(checkpoint_tensors, engine.info.model)
+    metrics = ControlPlaneMetrics(ledger)
+    health = ServingHealth(service_names(rollouts))
+    updates = WeightUpdates(
+        engine,
+        ledger,
+        operations,
+        allowed_roots=config.updates.allowed_roots(engine.info.model),
+        expected=expected,
+        on_finished=metrics.update_done,
+        on_pause=metrics.pause_changed,
+        max_staged_bytes=config.updates.max_staged_bytes,
+        staged_ttl=config.updates.staged_ttl,
+        on_staged_bytes=metrics.set_staged_bytes,
+        fingerprints=fingerprints,
+        on_partial=health.set_quarantined,
+    )
+    await updates.prepare()  # milliseconds
+    relay = before.fpm.start(ledger)
+    identity = IdentitySync(
+        engine,
+        await_worker_id=config.identity.await_worker_id,
+        on_outcome=before.identity.outcome,
+        on_synced=metrics.identity_synced,
+    )
+    plane = ControlPlaneServer(
+        ledger,
+        engine_info=engine.info,
+        token=config.grpc.token,
+        tls=config.grpc.tls,
+        log_reads=config.grpc.log_reads,
+        metrics=metrics,
+        fpm_relay=relay,
+        identity=identity,
+        updates=updates,
+        operations=operations,
+        rollouts=rollouts,
+        health=health,
+        prompt_calls=before.prompt_calls,
+    )
+    await plane.set_serving(False)  # SERVING only once HTTP is up (and, if awaited, the identity)
+    host, port = config.grpc.host, config.grpc.port
+    try:
+        bound = await plane.start(host, port)
+    except RuntimeError as exc:  # grpcio raises when the port is taken
+        raise StartupError(f"could not bind gRPC to {host}:{port}: {exc}") from None
+    if bound == 0:
+        raise StartupError(f"could not bind gRPC to {host}:{port}")
+    return plane, bound
