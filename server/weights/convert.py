@@ -3,7 +3,7 @@ update or of the engine contract is written in a message of enginectl.weights.v1
 request's field is read into one.
 
 Runs in the `enginectl serve` process. Servicers (services/version.py, services/updates.py) and
-cores (generation.py, groups.py, plans.py, outcome.py, staging.py) all import it, and it
+cores (generation.py, groups.py, plans.py, outcome.py, staging.py, updates.py) all import it, and it
 imports no other module of server/weights/ but the ledger (whose states it writes): no import
 circle can run through it. Which message an RPC answers with is its core's or servicer's
 business; how each value is spelled in it is this module's.
@@ -22,6 +22,7 @@ from enginectl.server.limits import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
 from enginectl.server.weights.ledger import Fingerprint, VersionState
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_pb2 as wv_pb2
+from enginectl.weights.v1 import weight_version_service_pb2 as wvs_pb2
 
 PAUSE_MODES = {pb2.PAUSE_MODE_ABORT: "abort", pb2.PAUSE_MODE_WAIT: "wait", pb2.PAUSE_MODE_KEEP: "keep"}
 PAUSE_MODE_PROTO = {name: mode for mode, name in PAUSE_MODES.items()}
@@ -99,6 +100,30 @@ def weight_version_proto(state: VersionState) -> wv_pb2.WeightVersion:
         msg.last_failure.operation = failure.operation
         msg.last_failure.time.FromNanoseconds(int(failure.time * 1e9))
     return msg
+
+
+def verify_response(
+    verdict: wvs_pb2.VerifyVerdict.ValueType,
+    recorded: Fingerprint | None,
+    current: Fingerprint,
+    state: VersionState,
+) -> wvs_pb2.VerifyWeightsResponse:
+    """VerifyWeights' answer: the overall `verdict`, and per rank its recorded and current
+    digests (a rank matches when they are equal; every rank is UNDECLARED when the whole is)."""
+    recorded_ranks = dict(recorded.ranks) if recorded is not None else {}
+    ranks = []
+    for rank, digest in current.ranks:
+        before = recorded_ranks.get(rank, "")
+        if verdict == wvs_pb2.VERIFY_VERDICT_UNDECLARED:
+            rank_verdict = wvs_pb2.VERIFY_VERDICT_UNDECLARED
+        else:
+            rank_verdict = wvs_pb2.VERIFY_VERDICT_MATCH if before == digest else wvs_pb2.VERIFY_VERDICT_DRIFTED
+        ranks.append(
+            wvs_pb2.RankVerification(dp_rank=rank, verdict=rank_verdict, recorded_digest=before, current_digest=digest)
+        )
+    return wvs_pb2.VerifyWeightsResponse(
+        verdict=verdict, method=current.method, ranks=ranks, weight_version=weight_version_proto(state)
+    )
 
 
 def fingerprint_proto(fingerprint: Fingerprint) -> wv_pb2.WeightFingerprint:

@@ -2,7 +2,7 @@
 
 Runs in the `enginectl serve` process. server/engine.py's EngineAdapter implements them, and so
 does the in-memory double of tests/support/engine_double.py. They live apart from the cores
-that use them so that every core (updates.py and the steps, staging and groups it is made
+that use them so that every core (updates.py and the run, staging and groups it is made
 of) names the engine it needs without importing another core.
 """
 
@@ -28,7 +28,7 @@ from enginectl.server.engine import EngineInfo, RankOutcome
 
 
 class PauseEngine(Protocol):
-    """What Generation (generation.py) needs of the engine."""
+    """What Generation (generation.py) and its pause paths (pause_paths.py) need of the engine."""
 
     async def generation_state(self) -> list[RankGenerationState]: ...
 
@@ -45,6 +45,13 @@ class PauseEngine(Protocol):
     async def hold(self, reason: PauseReason) -> None: ...
 
     async def resume_reporting(self) -> list[RankGenerationState]: ...
+
+    async def finish_update(self, request: FinishUpdate) -> list[list[WorkerDigest]]: ...
+
+    async def reset_prefix_cache(self) -> None: ...
+
+    @property
+    def errored(self) -> bool: ...
 
 
 class GroupEngine(Protocol):
@@ -80,18 +87,11 @@ class StagingEngine(Protocol):
 
 
 class UpdateEngine(PauseEngine, GroupEngine, FingerprintEngine, StagingEngine, Protocol):
-    """What weight updates need of the engine (WeightUpdates in updates.py, and the steps of
-    update_steps.py)."""
+    """What weight updates need of the engine (WeightUpdates in updates.py, and each update's
+    UpdateRun in run.py)."""
 
     info: EngineInfo
 
     async def load(self, plan: LoadPlan, timeout: float) -> list[LoadResult]: ...
 
-    async def finish_update(self, request: FinishUpdate) -> list[list[WorkerDigest]]: ...
-
-    async def reset_prefix_cache(self) -> None: ...
-
     async def set_weight_version(self, version: str) -> None: ...
-
-    @property
-    def errored(self) -> bool: ...

@@ -4,9 +4,10 @@ Runs in the `enginectl serve` process, on the control loop. The pause state and 
 update live together because every rule reads both: a caller's pause during an update only
 marks generation to stay paused after it; ABORT and WAIT need an idle engine; a partial
 update holds generation paused until an update succeeds or a forced resume
-(docs/architecture.md, "The update state machine"). Every pause made through enginectl's
-utilities names who holds it, with the same precedence as `state`, so each rank's FPM samples
-say the same (docs/fpm.md).
+(docs/architecture.md, "The update state machine"). How the engine is paused is its pause
+path (pause_paths.py), chosen once by `prepare`; where the path names who holds a pause, it is
+named with the same precedence as `state`, so each rank's FPM samples say the same
+(docs/fpm.md).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from enginectl.server.limits import MAX_TIMEOUT_S
 from enginectl.server.weights.convert import PAUSE_MODE_PROTO, duration, parse_pause_mode, parse_timeout
 from enginectl.server.weights.engine_protocols import PauseEngine
 from enginectl.server.weights.operations import UpdateOperation
+from enginectl.server.weights.pause_paths import PausePath, UtilityPath, VllmPath
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 log = structlog.get_logger("enginectl.generation")
@@ -55,19 +57,35 @@ class Generation:
         self.mode = ""  # the mode of the pause in effect ("" when running)
         self.pause_time: float | None = None
         self.active: UpdateOperation | None = None  # the update running, or last run
-        self.utilities = False  # EngineCores have enginectl's utilities (WeightUpdates.prepare)
+        # vLLM's own utilities until `prepare` found enginectl's on every EngineCore.
+        self._path: PausePath = VllmPath(engine)
         self.ranks_at_update_start = [RankGenerationState(r, False) for r in range(ranks)]
+
+    async def prepare(self) -> None:
+        """Once, before serving: choose the pause path. enginectl's utilities answer on every
+        EngineCore unless the user's own scheduler replaced enginectl's on a multi-worker engine."""
+        try:
+            await self._engine.generation_state()
+            self._path = UtilityPath(self._engine)
+        except ControlPlaneError:
+            if self._engine.errored:
+                raise
+
+    @property
+    def path(self) -> PausePath:
+        """How this engine is paused, resumed and an update finished (see `prepare`)."""
+        return self._path
 
     async def set_partial(self, partial: bool) -> None:
         """True: an update failed part-way (generation held paused, quarantined); False: an
         update succeeded (neither)."""
         changed = partial != self.partial
         self.partial = partial
-        if changed and partial and self.utilities:
+        if changed and partial:
             # The ranks' pause is the partial update's now (their FPM samples say so). On the
             # failure path only; an operation must still end if the engine does not answer.
             try:
-                await self._engine.hold(PauseReason.PARTIAL_UPDATE)
+                await self._path.hold(PauseReason.PARTIAL_UPDATE)
             except ControlPlaneError:
                 log.exception("labelling the pause of a partial update failed")
         quarantine_changed = partial != self.quarantined
@@ -96,10 +114,7 @@ class Generation:
         )
 
     async def ranks(self) -> list[RankGenerationState]:
-        if self.utilities:
-            return await self._engine.generation_state()
-        # EngineCores without enginectl's utilities (the user's scheduler): less detail.
-        return [RankGenerationState(i, p) for i, p in enumerate(await self._engine.is_paused())]
+        return await self._path.ranks()
 
     async def state(self, known: list[RankGenerationState] | None = None) -> pb2.GenerationState:
         """The state as GetGenerationState reports it; `known`: per-rank states the caller
@@ -142,11 +157,7 @@ class Generation:
     async def pause_engine(self, mode: str, clear_cache: bool, timeout: float | None, reason: str = "caller") -> None:
         """Pause every rank; with `timeout` (WAIT), asyncio.TimeoutError if requests did not
         drain. `reason`: who pauses ("update" or "caller"), if generation was running."""
-        call = (
-            self._engine.pause_reporting(mode, clear_cache, self._holder(reason))
-            if self.utilities
-            else self._engine.pause(mode, clear_cache)
-        )
+        call = self._path.pause(mode, clear_cache, self._holder(reason))
         if timeout is None:
             await call
         else:
@@ -161,12 +172,11 @@ class Generation:
                 self._on_pause(reason)
         self.mode = mode
 
-    async def pause_if_running(self, mode: str) -> tuple[list[RankGenerationState], bool]:
-        """An update's pause (KEEP or ABORT; needs enginectl's utilities) in one round trip per
-        rank instead of two: each rank answers its state from just before and pauses with
-        `mode` only if it was running. (states before, every rank was running and is paused now)."""
-        before = await self._engine.pause_reporting(mode, False, self._holder("update"), if_running=True)
-        paused = not any(r.paused for r in before)
+    async def pause_if_running(self, mode: str, pausing: Callable[[], None]) -> tuple[list[RankGenerationState], bool]:
+        """An update's pause (KEEP or ABORT) in the round trip that reads the states, where the
+        path can (PausePath.pause_if_running): (states before, every rank was running and is
+        paused now). `pausing` hears the moment a pause is sent."""
+        before, paused = await self._path.pause_if_running(mode, self._holder("update"), pausing)
         if paused:
             self._paused(mode, "update")
         return before, paused
@@ -174,6 +184,12 @@ class Generation:
     async def resume_engine(self) -> None:
         await self._engine.resume()
         self.resumed()
+
+    async def resume_after_update(self) -> None:
+        """A successful update resumes generation: inside its finishing round trip, or now
+        (PausePath.finish)."""
+        self.resumed()
+        await self._path.resume_after_finish()
 
     def resumed(self) -> None:
         """The engine resumed (here, or inside an update's last round trip)."""
@@ -196,9 +212,9 @@ class Generation:
             self.caller_paused = True
             return pb2.PauseGenerationResponse(state=await self.state(), was_paused=True)
         started = time.monotonic()
-        if self.utilities and mode != "wait":
-            # KEEP and ABORT: one round trip per rank, which answers the state before pausing.
-            before = await self._engine.pause_reporting(mode, request.clear_cache, self._holder("caller"))
+        if mode != "wait":
+            # KEEP and ABORT: the states before the pause, answered with it where the path can.
+            before = await self._path.pause_reporting(mode, request.clear_cache, self._holder("caller"))
             self._paused(mode, "caller")
             return await self._paused_answer(mode, before, started)
         before = await self.ranks()
@@ -263,12 +279,8 @@ class Generation:
                 "the last update failed part-way and the weights may be mixed: load weights again, "
                 "or resume with force=true to generate with them anyway",
             )
-        if self.utilities:  # one round trip per rank, which answers the state before resuming
-            ranks = await self._engine.resume_reporting()
-            self.resumed()
-        else:
-            ranks = await self.ranks()
-            await self.resume_engine()
+        ranks = await self._path.resume_reporting()  # the states before resuming
+        self.resumed()
         was_paused = any(r.paused for r in ranks)
         self.caller_paused = False
         if self.partial:  # forced: generation runs over the mixed weights, still quarantined

@@ -1,12 +1,13 @@
 """How a weight update ends: the Operation's response on success, its error on failure.
 
 Runs in the `enginectl serve` process, on the control loop; pure (no engine calls): the side
-effects of an ending (resume, hold paused, record the failure) stay in updates.py.
+effects of an ending (resume, hold paused, record the failure) stay in run.py.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -15,6 +16,7 @@ from enginectl.contract.engine import Cause, LoadResult
 from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.weights.convert import duration, load_results_proto, weight_version_proto
 from enginectl.server.weights.ledger import VersionState
+from enginectl.server.weights.operations import UpdateOperation
 from enginectl.server.weights.plans import UpdatePlan
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
@@ -101,3 +103,18 @@ def success_response(
         pause_duration=duration(pause.seconds),
         duration=duration(time.monotonic() - started),
     )
+
+
+def report_finished(
+    on_finished: Callable[[str, str, int, float], None] | None,
+    op: UpdateOperation,
+    plan: UpdatePlan,
+    result: str,
+    nbytes: int,
+) -> None:
+    """Tell `on_finished` how `op` ended: (source, result, bytes loaded, seconds); `result` is
+    "ok", "failed", "partial" (failed after writing began) or "cancelled" (before it began);
+    the duration is the Operation's (end_time - start_time)."""
+    if on_finished is not None:
+        nanos = op.metadata.end_time.ToNanoseconds() - op.metadata.start_time.ToNanoseconds()
+        on_finished(plan.source.value.lower(), result, nbytes, max(nanos, 0) / 1e9)

@@ -1,15 +1,15 @@
-"""WeightUpdates: weight updates as long-running operations, and the weights' fingerprints.
+"""WeightUpdates: the long-lived state of weight updates, and what every RPC of the room asks of it.
 
-Runs in the `enginectl serve` process, on the control loop. The rules
-(docs/architecture.md, "The update state machine"): validate everything before touching the
-model (plans.py), one update at a time, pause with the requested mode (KEEP by default) when
-not paused and resume after, reset the prefix cache, record the version only on success
-through the ledger's single writer, and on a failure after writing began leave the version
-undeclared with `last_failure` and generation paused (generation.py).
-
-Pausing for an update, finishing it and its two endings are in update_steps.py; stages in
-staging.py. Workers (worker/weights/) do the loading; this module reaches them through the typed
-EngineAdapter and feeds them over per-update ZMQ channels (channels.py).
+Runs in the `enginectl serve` process, on the control loop. It owns what outlives an update:
+the generation pause state (generation.py), the trainer's groups (groups.py), the stage and its
+set (staging.py), the fingerprints (fingerprints.py), the validator (plans.py) and the
+request_id table; the servicers (services/) make one call into it per RPC. `start` checks the
+rules before an update runs (docs/architecture.md, "The update state machine": one update at
+a time, a retried request_id answers its first Operation, the ledger's write lock taken before
+the Operation is returned), then starts one task per update: the stage (staging.py) or an
+UpdateRun (run.py), which holds that update's own state. Workers (worker/weights/) do the
+loading; they are reached through the typed engine adapter and the update's ZMQ channels
+(channels.py); a tensor stream's chunks arrive through tensor_stream.py.
 """
 
 from __future__ import annotations
@@ -19,18 +19,17 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
 import structlog
 import zmq.asyncio
 
-from enginectl.contract.engine import Cause, LoadResult
+from enginectl.contract.engine import Cause
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, to_status
-from enginectl.server.limits import RPC_GRACE_S
 from enginectl.server.weights.channels import UpdateChannels
-from enginectl.server.weights.convert import source_proto
+from enginectl.server.weights.convert import source_proto, verify_response
 from enginectl.server.weights.disk import TensorInfo
 from enginectl.server.weights.engine_protocols import UpdateEngine
 from enginectl.server.weights.fingerprints import WeightFingerprints
@@ -38,17 +37,18 @@ from enginectl.server.weights.generation import Generation
 from enginectl.server.weights.groups import UpdateGroups, backends
 from enginectl.server.weights.ledger import Fingerprint, WeightVersionLedger
 from enginectl.server.weights.operations import OperationStore, UpdateOperation
-from enginectl.server.weights.outcome import UpdateFailed, UpdatePause
+from enginectl.server.weights.outcome import report_finished
 from enginectl.server.weights.plans import UpdatePlan, UpdateValidator
+from enginectl.server.weights.run import RunParts, UpdateRun
 from enginectl.server.weights.staging import DEFAULT_TTL_S, STAGED_PREFIX, Feed, StagedSet, Staging
-from enginectl.server.weights.update_steps import UpdateSteps
+from enginectl.server.weights.tensor_stream import TensorStream, read_header
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_service_pb2 as wvs_pb2
 
 log = structlog.get_logger("enginectl.updates")
 
 
-class WeightUpdates(UpdateSteps):
+class WeightUpdates:
     """Generation pause state, weight updates and fingerprints of one engine."""
 
     def __init__(
@@ -78,7 +78,7 @@ class WeightUpdates(UpdateSteps):
         self._dir = Path(tempfile.mkdtemp(prefix="enginectl-updates-"))
         self.generation = Generation(engine, self._ranks, on_pause, on_partial)
         self.groups = UpdateGroups(engine)
-        self.plans = UpdateValidator(
+        self._validator = UpdateValidator(
             ledger, self.groups, allowed_roots=allowed_roots, expected=expected, served_dtype=engine.info.dtype
         )
         # Built by the caller when the ledger's declarations need it before this object exists.
@@ -94,7 +94,11 @@ class WeightUpdates(UpdateSteps):
             ttl=staged_ttl,
             on_bytes=on_staged_bytes,
         )
-        self._plans: dict[str, tuple[tuple[object, ...], UpdateOperation]] = {}  # by request_id
+        self._parts = RunParts(
+            engine, ledger, self.generation, self.groups, self.fingerprints, self.staging, on_finished
+        )
+        # request_id -> (the plan's key, its Operation): a retry answers the first Operation.
+        self._by_request_id: dict[str, tuple[tuple[object, ...], UpdateOperation]] = {}
 
     @property
     def operations(self) -> OperationStore:
@@ -102,7 +106,7 @@ class WeightUpdates(UpdateSteps):
 
     @property
     def allowed_roots(self) -> list[Path]:
-        return self.plans.allowed_roots
+        return self._validator.allowed_roots
 
     def close(self) -> None:
         if self.generation.active is not None:
@@ -110,7 +114,30 @@ class WeightUpdates(UpdateSteps):
         self._ctx.destroy(0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    # --- what the servicers call ---------------------------------------------------------
+    async def prepare(self) -> None:
+        """Once, before serving: choose how generation is paused (Generation.prepare) and, from
+        one sampled fingerprint (milliseconds), learn the methods GetServerInfo reports."""
+        await self.generation.prepare()
+        await self.fingerprints.sampled()
+
+    # --- what GetServerInfo reports, and what a declaration records --------------------------
+
+    def backends(self) -> list[pb2.UpdateBackend.ValueType]:
+        return backends()
+
+    @property
+    def fingerprint_method(self) -> str:
+        return self.fingerprints.sampled_method
+
+    @property
+    def full_fingerprint_method(self) -> str:
+        return self.fingerprints.full_method
+
+    async def declaration_fingerprint(self) -> Fingerprint:
+        """Recorded at every declaration (see fingerprints.py)."""
+        return await self.fingerprints.declaration()
+
+    # --- one call per RPC --------------------------------------------------------------------
 
     async def pause(self, request: pb2.PauseGenerationRequest) -> pb2.PauseGenerationResponse:
         return await self.generation.pause(request)
@@ -130,31 +157,52 @@ class WeightUpdates(UpdateSteps):
     async def destroy_group(self, request: pb2.DestroyWeightsUpdateGroupRequest) -> bool:
         return await self.groups.destroy(request)
 
-    def backends(self) -> list[pb2.UpdateBackend.ValueType]:
-        return backends()
+    async def update_from_disk(self, request: pb2.UpdateWeightsFromDiskRequest) -> UpdateOperation:
+        # Checking a checkpoint reads its safetensors headers: off the control loop.
+        op, _ = await self.start(await asyncio.to_thread(self._validator.disk, request))
+        return op
 
-    def plan_disk(self, request: pb2.UpdateWeightsFromDiskRequest) -> UpdatePlan:
-        return self.plans.disk(request)
+    async def update_from_distributed(self, request: pb2.UpdateWeightsFromDistributedRequest) -> UpdateOperation:
+        op, _ = await self.start(self._validator.distributed(request))
+        return op
 
-    def plan_distributed(self, request: pb2.UpdateWeightsFromDistributedRequest) -> UpdatePlan:
-        return self.plans.distributed(request)
+    async def update_from_ipc(self, request: pb2.UpdateWeightsFromIpcRequest) -> UpdateOperation:
+        op, _ = await self.start(self._validator.ipc(request, self._engine.info.num_workers))
+        return op
 
-    def plan_tensors(self, header: pb2.TensorStreamHeader) -> UpdatePlan:
-        return self.plans.tensors(header)
+    async def update_from_tensors(
+        self, requests: AsyncIterator[pb2.UpdateWeightsFromTensorsRequest]
+    ) -> UpdateOperation:
+        """The tensor stream's update: its header planned, its chunks fed (tensor_stream.py).
+        Answers once the stream is fed (or the update ended); raises the update's error if it
+        failed meanwhile, and the store's if the server closes."""
+        messages = requests.__aiter__()
+        plan = self._validator.tensors(await read_header(messages))
+        stream = TensorStream(messages, plan.bytes_total)
+        op, started = await self.start(plan, stream.feed)
+        store = self._store
+        if started:
+            await stream.follow(
+                op, store, lambda: self._abort(op, Cause.STREAM_BROKEN, "the client cancelled the stream or went away")
+            )
+        if op.done and op.failure is not None:
+            raise op.failure
+        if not op.done and store.closing.is_set():
+            raise store.closed_error()
+        return op
 
-    def retried_commit(self, request: pb2.CommitStagedWeightsRequest) -> UpdateOperation | None:
-        """A commit retried with its request_id: the first one's Operation (its set may be
-        consumed by now); REQUEST_ID_REUSED when that key named another update."""
-        known = self._plans.get(request.request_id) if request.request_id else None
-        if known is None:
-            return None
-        if known[0][-1] != request.name.removeprefix(STAGED_PREFIX):  # the key ends with the stage token
-            raise invalid_field(Reason.REQUEST_ID_REUSED, "request_id", "already used by a different update")
-        return known[1]
-
-    def plan_commit(self, request: pb2.CommitStagedWeightsRequest) -> UpdatePlan:
+    async def commit(self, request: pb2.CommitStagedWeightsRequest) -> UpdateOperation:
+        """CommitStagedWeights: an update of the staged set. A commit retried with its
+        request_id answers the first one's Operation (its set may be consumed by now);
+        REQUEST_ID_REUSED when that key named another update."""
+        known = self._by_request_id.get(request.request_id) if request.request_id else None
+        if known is not None:
+            if known[0][-1] != request.name.removeprefix(STAGED_PREFIX):  # the key ends with the stage token
+                raise invalid_field(Reason.REQUEST_ID_REUSED, "request_id", "already used by a different update")
+            return known[1]
         staged = self.staging.find(request.name)
-        return self.plans.commit(request, staged.plan, staged.token)
+        op, _ = await self.start(self._validator.commit(request, staged.plan, staged.token))
+        return op
 
     async def discard(self, request: pb2.DiscardStagedWeightsRequest) -> pb2.DiscardStagedWeightsResponse:
         def cancel(name: str) -> None:
@@ -165,38 +213,17 @@ class WeightUpdates(UpdateSteps):
         found, freed = await self.staging.discard(request.name, request.allow_missing, cancel)
         return pb2.DiscardStagedWeightsResponse(found=found, bytes_freed=freed)
 
-    def abort(self, op: UpdateOperation, cause: Cause, message: str) -> None:
+    async def verify(self, full: bool) -> wvs_pb2.VerifyWeightsResponse:
+        """VerifyWeights: the weights now against the fingerprint the declaration recorded."""
+        verdict, recorded, current = await self.fingerprints.verify(self._ledger.state, full)
+        return verify_response(verdict, recorded, current, self._ledger.state)
+
+    def _abort(self, op: UpdateOperation, cause: Cause, message: str) -> None:
         """Stop a running update (its workers see an abort frame)."""
         if not op.done and op.on_abort is not None:
             op.on_abort(cause, message)
 
-    # --- fingerprints --------------------------------------------------------------------
-
-    @property
-    def fingerprint_method(self) -> str:
-        return self.fingerprints.sampled_method
-
-    @property
-    def full_fingerprint_method(self) -> str:
-        return self.fingerprints.full_method
-
-    async def prepare(self) -> None:
-        """Once, before serving: learn whether every EngineCore has enginectl's utilities (it
-        does unless the user's own scheduler replaced enginectl's on a multi-worker engine)
-        and, from one sampled fingerprint (milliseconds), the methods GetServerInfo reports."""
-        try:
-            await self._engine.generation_state()
-            self.generation.utilities = True
-        except ControlPlaneError:
-            if self._engine.errored:
-                raise
-        await self.fingerprints.sampled()
-
-    async def verify(self, full: bool) -> tuple[wvs_pb2.VerifyVerdict.ValueType, Fingerprint | None, Fingerprint]:
-        """(verdict, recorded, current) for VerifyWeights."""
-        return await self.fingerprints.verify(self._ledger.state, full)
-
-    # --- running an update -----------------------------------------------------------------
+    # --- starting an update ------------------------------------------------------------------
 
     async def start(self, plan: UpdatePlan, feed: Feed | None = None) -> tuple[UpdateOperation, bool]:
         """Create the Operation and start the update; (operation, started). A retried
@@ -206,7 +233,7 @@ class WeightUpdates(UpdateSteps):
         until the update is recorded: a declaration accepted after this call applies after
         the update, whatever it waits for (pausing included)."""
         if plan.request_id:
-            known = self._plans.get(plan.request_id)
+            known = self._by_request_id.get(plan.request_id)
             if known is not None:
                 if known[0] != plan.key():
                     raise invalid_field(Reason.REQUEST_ID_REUSED, "request_id", "already used by a different update")
@@ -236,9 +263,11 @@ class WeightUpdates(UpdateSteps):
         op.touch()
         self._store.add(op)
         if plan.request_id:
-            self._plans[plan.request_id] = (plan.key(), op)
+            self._by_request_id[plan.request_id] = (plan.key(), op)
         # A retry is answered while its Operation is still kept: forget the evicted ones.
-        self._plans = {rid: known for rid, known in self._plans.items() if self._store.find(known[1].name) is known[1]}
+        self._by_request_id = {
+            rid: known for rid, known in self._by_request_id.items() if self._store.find(known[1].name) is known[1]
+        }
         if plan.stage_only:  # no pause, no ledger lock: generation and declarations go on
             staged = self.staging.reserve(plan, op)
             asyncio.ensure_future(self._stage(staged, op, plan, feed))
@@ -258,7 +287,7 @@ class WeightUpdates(UpdateSteps):
             )
             op.failure = cancelled
             op.finish(error=to_status(cancelled))
-            self._report(op, plan, "cancelled", 0)
+            report_finished(self._on_finished, op, plan, "cancelled", 0)
             raise
         log.info(
             "weight update started",
@@ -268,7 +297,8 @@ class WeightUpdates(UpdateSteps):
             version=plan.version,
             tensors=len(plan.tensors),
         )
-        asyncio.ensure_future(self._run(op, op_id, plan, feed, lock))
+        channels = UpdateChannels(self._ctx, self._dir, op_id[:36], self._ranks)
+        asyncio.ensure_future(UpdateRun(self._parts, op, plan, channels, lock, feed).run())
         return op, True
 
     async def _stage(self, staged: StagedSet, op: UpdateOperation, plan: UpdatePlan, feed: Feed | None) -> None:
@@ -277,109 +307,3 @@ class WeightUpdates(UpdateSteps):
             await self.staging.run(staged, op, feed, time.monotonic())
         finally:
             self.groups.in_use.discard(plan.group)
-
-    async def _run(
-        self, op: UpdateOperation, op_id: str, plan: UpdatePlan, feed: Feed | None, lock: asyncio.Lock
-    ) -> None:
-        """The update, start to end; every way out finishes the Operation."""
-        gen = self.generation
-        started = time.monotonic()
-        deadline = time.time() + plan.timeout
-        channels = UpdateChannels(self._ctx, self._dir, op_id[:36], self._ranks)
-        op.on_abort = channels.abort
-        pause = UpdatePause()  # generation as the update found it, and what pausing did
-        holding = True  # the ledger's write lock, taken in start()
-        try:
-            # The last declaration's full baseline may still be running in slices: it is not
-            # waited for. Its slices queue behind this update's load on the engine; the worker
-            # answers them "superseded" once the load wrote a weight (the version is then new,
-            # or undeclared), and goes on hashing if the update failed before writing.
-            pause = await self._pause_for(op, plan, deadline)
-            marks = [("pause", time.monotonic())]
-            if op.cancel_requested.is_set():
-                raise UpdateFailed(Cause.UPDATE_CANCELLED, "CancelOperation before loading began", modified=False)
-            try:
-                self._ledger.check_etag(plan.etag)
-            except ControlPlaneError as exc:
-                raise UpdateFailed(Cause.ETAG_MISMATCH, exc.message, modified=False, metadata=exc.metadata) from None
-            op.set_phase(pb2.UPDATE_PHASE_RECEIVING if feed or plan.group else pb2.UPDATE_PHASE_LOADING)
-            results = await self._load(op, plan, channels, deadline, feed)
-            marks.append(("load", time.monotonic()))
-            errors = [(r.error.cause, r.error.message) for r in results if r.error is not None]
-            modified = any(r.weights_modified for r in results)
-            if channels.aborted and not errors:
-                errors = [channels.aborted]
-            if errors:
-                cause, message = errors[0]
-                raise UpdateFailed(cause, message, modified=modified)
-            op.metadata.weights_modified = modified
-            resumed = pause.resumes and not gen.caller_paused
-            op.set_phase(pb2.UPDATE_PHASE_FINGERPRINTING)
-            state = await self._finish(plan, resumed, marks)
-            lock.release()
-            holding = False
-            await gen.set_partial(False)
-            if resumed:
-                gen.resumed()
-                if not gen.utilities:
-                    await gen.resume_engine()
-                if gen.caller_paused:  # PauseGeneration(KEEP) arrived while we finished
-                    await gen.pause_engine("keep", False, None)
-                    resumed = False
-            op.set_phase(pb2.UPDATE_PHASE_DONE)
-            self._succeeded(op, plan, state, results, started, pause, resumed, marks)
-            if plan.stage_token:  # the staged set is consumed (its buffer kept for the next)
-                await self.staging.committed(plan.stage_token)
-        except UpdateFailed as failure:
-            await self._fail(op, plan, failure, pause.resumes)
-        except ControlPlaneError as exc:
-            await self._fail(
-                op, plan, UpdateFailed(exc.reason, exc.message, modified=op.metadata.weights_modified), pause.resumes
-            )
-        except Exception as exc:  # an operation must always end; logged with its traceback
-            log.exception("update failed unexpectedly", operation=op.name)
-            await self._fail(
-                op,
-                plan,
-                UpdateFailed(Cause.LOAD_FAILED, f"{type(exc).__name__}: {exc}", modified=op.metadata.weights_modified),
-                pause.resumes,
-            )
-        finally:
-            if holding:
-                lock.release()
-            channels.close()
-            self.groups.in_use.discard(plan.group)
-            if plan.stage_token:
-                self.staging.commit_ended(plan.stage_token, op.name)
-            if gen.active is op:
-                gen.active = None
-
-    async def _load(
-        self, op: UpdateOperation, plan: UpdatePlan, channels: UpdateChannels, deadline: float, feed: Feed | None
-    ) -> list[LoadResult]:
-        worker_plan = plan.worker_plan(channels, deadline)
-        load = asyncio.ensure_future(self._engine.load(worker_plan, timeout=plan.timeout + RPC_GRACE_S))
-        progress = asyncio.ensure_future(op.follow_progress(channels.next_progress))
-        loop = asyncio.get_running_loop()
-        timer = loop.call_at(
-            loop.time() + max(deadline - time.time(), 0.0),
-            lambda: channels.abort(Cause.UPDATE_TIMEOUT, f"the update's timeout ({plan.timeout:.3f}s) elapsed"),
-        )
-        feeding = asyncio.ensure_future(feed(channels, op)) if feed is not None else None
-        try:
-            try:
-                results = await load
-            except ControlPlaneError as exc:
-                if exc.reason != Reason.WORKER_TIMEOUT:
-                    raise
-                # A worker was still loading when the call's timeout passed: whatever it wrote
-                # is unknown, so the weights count as mixed (docs/architecture.md).
-                raise UpdateFailed(Cause.WORKER_TIMEOUT, exc.message, modified=True) from None
-            if feeding is not None:
-                await asyncio.wait({feeding}, timeout=1.0)
-            return results
-        finally:
-            timer.cancel()
-            if feeding is not None and not feeding.done():
-                feeding.cancel()
-            progress.cancel()

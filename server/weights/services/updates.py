@@ -1,24 +1,20 @@
-"""WeightUpdateService servicer: proto <-> WeightUpdates.
+"""WeightUpdateService servicer: each RPC is one call into WeightUpdates (weights/updates.py).
 
-Runs in the `enginectl serve` process, on the control loop. Thin on purpose: the rules live
-in updates.py and its neighbours; errors raised as ControlPlaneError become google.rpc.Status in the
-interceptor.
+Runs in the `enginectl serve` process, on the control loop, in each RPC's handler. Thin on
+purpose: the rules live in the cores of server/weights/ (the tensor stream's feed in
+tensor_stream.py); errors raised as ControlPlaneError become google.rpc.Status in the
+interceptor. GetServerInfo is answered here, from the info the server built once.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
 from google.longrunning import operations_pb2
 
-from enginectl.contract.engine import Cause
 from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.interceptors import caller_authenticated
-from enginectl.server.limits import MAX_CHUNK_BYTES
-from enginectl.server.weights.channels import UpdateChannels
-from enginectl.server.weights.operations import UpdateOperation
 from enginectl.server.weights.updates import WeightUpdates
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
@@ -68,9 +64,7 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
     async def UpdateWeightsFromDisk(
         self, request: pb2.UpdateWeightsFromDiskRequest, context: grpc.aio.ServicerContext
     ) -> operations_pb2.Operation:
-        updates = self.updates
-        op, _ = await updates.start(await asyncio.to_thread(updates.plan_disk, request))
-        return op.proto()
+        return (await self.updates.update_from_disk(request)).proto()
 
     async def InitWeightsUpdateGroup(
         self, request: pb2.InitWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
@@ -85,26 +79,17 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
     async def UpdateWeightsFromDistributed(
         self, request: pb2.UpdateWeightsFromDistributedRequest, context: grpc.aio.ServicerContext
     ) -> operations_pb2.Operation:
-        updates = self.updates
-        op, _ = await updates.start(updates.plan_distributed(request))
-        return op.proto()
+        return (await self.updates.update_from_distributed(request)).proto()
 
     async def UpdateWeightsFromIpc(
         self, request: pb2.UpdateWeightsFromIpcRequest, context: grpc.aio.ServicerContext
     ) -> operations_pb2.Operation:
-        updates = self.updates
-        op, _ = await updates.start(updates.plans.ipc(request, self._info.num_workers))
-        return op.proto()
+        return (await self.updates.update_from_ipc(request)).proto()
 
     async def CommitStagedWeights(
         self, request: pb2.CommitStagedWeightsRequest, context: grpc.aio.ServicerContext
     ) -> operations_pb2.Operation:
-        updates = self.updates
-        retried = updates.retried_commit(request)
-        if retried is not None:
-            return retried.proto()
-        op, _ = await updates.start(updates.plan_commit(request))
-        return op.proto()
+        return (await self.updates.commit(request)).proto()
 
     async def DiscardStagedWeights(
         self, request: pb2.DiscardStagedWeightsRequest, context: grpc.aio.ServicerContext
@@ -114,102 +99,4 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
     async def UpdateWeightsFromTensors(
         self, request_iterator: AsyncIterator[pb2.UpdateWeightsFromTensorsRequest], context: grpc.aio.ServicerContext
     ) -> operations_pb2.Operation:
-        updates = self.updates
-        messages = request_iterator.__aiter__()
-        try:
-            first = await messages.__anext__()
-        except StopAsyncIteration:
-            first = None
-        if first is None or first.WhichOneof("payload") != "header":
-            raise ControlPlaneError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                Reason.HEADER_REQUIRED,
-                "the first message must be a header (tensor specs, version, options)",
-            )
-        plan = updates.plan_tensors(first.header)
-        total = plan.bytes_total
-        fed = asyncio.Event()
-        broken = asyncio.Event()  # the call was cancelled: the client went away
-        fed_channels: list[UpdateChannels] = []
-
-        async def feed(channels: UpdateChannels, op: UpdateOperation) -> None:
-            fed_channels.append(channels)
-            received = 0
-            try:
-                async for message in messages:
-                    if channels.aborted is not None:
-                        break
-                    if message.WhichOneof("payload") != "chunk":
-                        channels.abort(
-                            Cause.HEADER_REQUIRED, "a second header: every message after the first is a chunk"
-                        )
-                        break
-                    data, offset = message.chunk.data, message.chunk.offset
-                    if not data or len(data) > MAX_CHUNK_BYTES:
-                        channels.abort(
-                            Cause.CHUNK_TOO_LARGE, f"a chunk holds 1..{MAX_CHUNK_BYTES} bytes; got {len(data)}"
-                        )
-                        break
-                    if offset != received:
-                        channels.abort(Cause.CHUNK_OUT_OF_ORDER, f"chunk offset {offset}, expected {received}")
-                        break
-                    if received + len(data) > total:
-                        channels.abort(
-                            Cause.DATA_SIZE_MISMATCH,
-                            f"{received + len(data)} bytes sent; the header's tensors hold {total}",
-                        )
-                        break
-                    await channels.send_chunk(offset, data)
-                    received += len(data)
-                else:
-                    if received < total and not await _broke(broken):
-                        channels.abort(
-                            Cause.DATA_SIZE_MISMATCH, f"the client half-closed after {received} of {total} bytes"
-                        )
-                    elif received < total:
-                        channels.abort(Cause.STREAM_BROKEN, f"the client went away after {received} of {total} bytes")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the call broke under us
-                channels.abort(Cause.STREAM_BROKEN, f"the stream broke: {type(exc).__name__}")
-            finally:
-                fed.set()
-
-        op, started = await updates.start(plan, feed)
-        store = updates.operations
-        if started:
-            try:
-                waiters = {
-                    asyncio.ensure_future(fed.wait()),
-                    asyncio.ensure_future(op.finished.wait()),
-                    asyncio.ensure_future(store.closing.wait()),
-                }
-                _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                for waiter in pending:
-                    waiter.cancel()
-                if not op.done and fed_channels and fed_channels[0].aborted is not None:
-                    await store.wait(op, None)  # the update is failing: the call ends with its error
-            except asyncio.CancelledError:
-                broken.set()
-                updates.abort(op, Cause.STREAM_BROKEN, "the client cancelled the stream or went away")
-                raise
-        if op.done and op.failure is not None:
-            raise op.failure
-        if not op.done and store.closing.is_set():
-            raise store.closed_error()
-        return op.proto()
-
-
-# A broken connection ends the request stream much as a half-close does; grpc.aio tells them
-# apart only by cancelling the handler, which can land just after the stream's end.
-STREAM_END_GRACE_S = 0.25
-
-
-async def _broke(broken: asyncio.Event) -> bool:
-    """After the request stream ended short: was it the connection breaking (the handler is
-    cancelled within STREAM_END_GRACE_S) rather than the client half-closing?"""
-    try:
-        await asyncio.wait_for(broken.wait(), STREAM_END_GRACE_S)
-    except asyncio.TimeoutError:
-        return False
-    return True
+        return (await self.updates.update_from_tensors(request_iterator)).proto()

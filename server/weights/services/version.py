@@ -1,7 +1,9 @@
-"""WeightVersionService servicer: proto <-> WeightVersionLedger.
+"""WeightVersionService servicer: each RPC is one call into the ledger (or, VerifyWeights,
+into WeightUpdates), its answer written by convert.py.
 
-Runs in the `enginectl serve` process. Thin on purpose: the rules live in the ledger, errors
-raised as ControlPlaneError become google.rpc.Status in the interceptor.
+Runs in the `enginectl serve` process, on the control loop, in each RPC's handler. Thin on
+purpose: the rules live in the ledger (weights/ledger.py); errors raised as ControlPlaneError
+become google.rpc.Status in the interceptor.
 """
 
 from __future__ import annotations
@@ -59,21 +61,4 @@ class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
     ) -> pb2.VerifyWeightsResponse:
         if self._updates is None:
             raise ControlPlaneError(grpc.StatusCode.UNIMPLEMENTED, Reason.NOT_IMPLEMENTED, "this server has no engine")
-        verdict, recorded, current = await self._updates.verify(request.full)
-        recorded_ranks = dict(recorded.ranks) if recorded is not None else {}
-        ranks = []
-        for rank, digest in current.ranks:
-            before = recorded_ranks.get(rank, "")
-            if verdict == pb2.VERIFY_VERDICT_UNDECLARED:
-                rank_verdict = pb2.VERIFY_VERDICT_UNDECLARED
-            else:
-                rank_verdict = pb2.VERIFY_VERDICT_MATCH if before == digest else pb2.VERIFY_VERDICT_DRIFTED
-            ranks.append(
-                pb2.RankVerification(dp_rank=rank, verdict=rank_verdict, recorded_digest=before, current_digest=digest)
-            )
-        return pb2.VerifyWeightsResponse(
-            verdict=verdict,
-            method=current.method,
-            ranks=ranks,
-            weight_version=weight_version_proto(self._ledger.state),
-        )
+        return await self._updates.verify(request.full)

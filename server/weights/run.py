@@ -1,0 +1,298 @@
+"""UpdateRun: one weight update, from its pause to its end, and the state only it holds.
+
+Runs in the `enginectl serve` process, on the control loop, as one task per update
+(WeightUpdates.start makes the run once the update holds the ledger's write lock and starts
+it). A run holds its Operation, plan, channels, pause and timing marks; the long-lived state
+it works with (generation, groups, fingerprints, staging, the ledger) is WeightUpdates', handed
+to it as `RunParts`. Its steps follow docs/architecture.md, "The update state machine":
+pause (unless paused already), load through the workers, then finish (cache reset, version
+stamp, resume, fingerprint) and record the version, or fail (resume, or hold generation paused
+and leave the version undeclared once writing began). How the engine is paused and an update
+finished is the generation's pause path (pause_paths.py): no step here asks which it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from enginectl.contract.engine import UNDECLARED_LABEL, Cause, LoadResult, PauseReason
+from enginectl.server.errors import ControlPlaneError, Reason, to_status
+from enginectl.server.limits import RPC_GRACE_S
+from enginectl.server.weights.channels import UpdateChannels
+from enginectl.server.weights.engine_protocols import UpdateEngine
+from enginectl.server.weights.fingerprints import WeightFingerprints
+from enginectl.server.weights.generation import Generation
+from enginectl.server.weights.groups import BREAKING_CAUSES, UpdateGroups
+from enginectl.server.weights.ledger import Failure, VersionState, WeightVersionLedger
+from enginectl.server.weights.operations import UpdateOperation
+from enginectl.server.weights.outcome import UpdateFailed, UpdatePause, report_finished, success_response
+from enginectl.server.weights.plans import UpdatePlan
+from enginectl.server.weights.staging import Feed, Staging
+from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+log = structlog.get_logger("enginectl.updates")
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """The long-lived state every update works with; WeightUpdates owns it."""
+
+    engine: UpdateEngine
+    ledger: WeightVersionLedger
+    generation: Generation
+    groups: UpdateGroups
+    fingerprints: WeightFingerprints
+    staging: Staging
+    # (source, result, bytes loaded, seconds) of every update that ends (outcome.report_finished).
+    on_finished: Callable[[str, str, int, float], None] | None
+
+
+class UpdateRun:
+    """One update (not stage_only), holding the ledger's write lock from its start."""
+
+    def __init__(
+        self,
+        parts: RunParts,
+        op: UpdateOperation,
+        plan: UpdatePlan,
+        channels: UpdateChannels,
+        lock: asyncio.Lock,
+        feed: Feed | None,
+    ) -> None:
+        self._parts = parts
+        self.op = op
+        self.plan = plan
+        self.channels = channels
+        self._lock = lock  # taken by WeightUpdates.start, released once the update is recorded
+        self._feed = feed
+        self.pause = UpdatePause()  # generation as the update found it, and what pausing did
+        self.marks: list[tuple[str, float]] = []  # (step, when it ended): the success log's phases
+        self._started = 0.0  # monotonic, and the deadline (wall clock): set when the run starts
+        self._deadline = 0.0
+
+    async def run(self) -> None:
+        """The update, start to end; every way out finishes the Operation."""
+        gen, op, plan, channels = self._parts.generation, self.op, self.plan, self.channels
+        self._started = time.monotonic()
+        self._deadline = time.time() + plan.timeout
+        op.on_abort = channels.abort
+        holding = True  # the ledger's write lock
+        try:
+            # The last declaration's full baseline may still be running in slices: it is not
+            # waited for. Its slices queue behind this update's load on the engine; the worker
+            # answers them "superseded" once the load wrote a weight (the version is then new,
+            # or undeclared), and goes on hashing if the update failed before writing.
+            self.pause = await self._pause()
+            self.marks.append(("pause", time.monotonic()))
+            if op.cancel_requested.is_set():
+                raise UpdateFailed(Cause.UPDATE_CANCELLED, "CancelOperation before loading began", modified=False)
+            try:
+                self._parts.ledger.check_etag(plan.etag)
+            except ControlPlaneError as exc:
+                raise UpdateFailed(Cause.ETAG_MISMATCH, exc.message, modified=False, metadata=exc.metadata) from None
+            op.set_phase(pb2.UPDATE_PHASE_RECEIVING if self._feed or plan.group else pb2.UPDATE_PHASE_LOADING)
+            results = await self._load()
+            self.marks.append(("load", time.monotonic()))
+            errors = [(r.error.cause, r.error.message) for r in results if r.error is not None]
+            modified = any(r.weights_modified for r in results)
+            if channels.aborted and not errors:
+                errors = [channels.aborted]
+            if errors:
+                cause, message = errors[0]
+                raise UpdateFailed(cause, message, modified=modified)
+            op.metadata.weights_modified = modified
+            resumed = self.pause.resumes and not gen.caller_paused
+            op.set_phase(pb2.UPDATE_PHASE_FINGERPRINTING)
+            state = await self._finish(resumed)
+            self._lock.release()
+            holding = False
+            await gen.set_partial(False)
+            if resumed:
+                await gen.resume_after_update()
+                if gen.caller_paused:  # PauseGeneration(KEEP) arrived while we finished
+                    await gen.pause_engine("keep", False, None)
+                    resumed = False
+            op.set_phase(pb2.UPDATE_PHASE_DONE)
+            self._succeeded(state, results, resumed)
+            if plan.stage_token:  # the staged set is consumed (its buffer kept for the next)
+                await self._parts.staging.committed(plan.stage_token)
+        except UpdateFailed as failure:
+            await self._fail(failure)
+        except ControlPlaneError as exc:
+            await self._fail(UpdateFailed(exc.reason, exc.message, modified=op.metadata.weights_modified))
+        except Exception as exc:  # an operation must always end; logged with its traceback
+            log.exception("update failed unexpectedly", operation=op.name)
+            await self._fail(
+                UpdateFailed(Cause.LOAD_FAILED, f"{type(exc).__name__}: {exc}", modified=op.metadata.weights_modified)
+            )
+        finally:
+            if holding:
+                self._lock.release()
+            channels.close()
+            self._parts.groups.in_use.discard(plan.group)
+            if plan.stage_token:
+                self._parts.staging.commit_ended(plan.stage_token, op.name)
+            if gen.active is op:
+                gen.active = None
+
+    async def _pause(self) -> UpdatePause:
+        """Pause generation for the update unless it is paused already: (paused by the update,
+        requests in flight at the start, seconds the pause took)."""
+        gen, op, plan = self._parts.generation, self.op, self.plan
+        pause_started = time.monotonic()
+        paused_by_update = False
+        if plan.pause_mode != "wait":  # the state read and the pause: one trip where the path can
+            before, paused_by_update = await gen.pause_if_running(
+                plan.pause_mode, lambda: op.set_phase(pb2.UPDATE_PHASE_PAUSING)
+            )
+        else:
+            before = await gen.ranks()
+        gen.ranks_at_update_start = before
+        in_flight = sum(r.running + r.waiting for r in before)
+        if not paused_by_update and not any(r.paused for r in before):  # WAIT, or a two-trip path
+            op.set_phase(pb2.UPDATE_PHASE_PAUSING)
+            try:
+                await gen.pause_engine(
+                    plan.pause_mode,
+                    False,
+                    None if plan.pause_mode != "wait" else max(self._deadline - time.time(), 0.0),
+                    reason="update",
+                )
+            except asyncio.TimeoutError:
+                await gen.resume_engine()  # WAIT stopped admitting requests: undo it
+                raise UpdateFailed(
+                    Cause.UPDATE_TIMEOUT,
+                    "requests did not drain (pause_mode WAIT) within the "
+                    f"update's timeout ({plan.timeout:.3f}s); generation was resumed",
+                    modified=False,
+                ) from None
+            paused_by_update = True
+        elif not paused_by_update and gen.partial and not gen.caller_paused:
+            # Held paused by an earlier partial update: a success here resumes.
+            paused_by_update = True
+        op.metadata.paused_by_update = paused_by_update
+        caller_held = not paused_by_update and gen.caller_paused
+        return UpdatePause(paused_by_update, in_flight, time.monotonic() - pause_started, caller_held)
+
+    async def _load(self) -> list[LoadResult]:
+        """Every worker of every rank loads; the timeout and the feed (a tensor stream's bytes)
+        run beside the load, the progress reports go into the Operation's metadata."""
+        op, plan, channels = self.op, self.plan, self.channels
+        worker_plan = plan.worker_plan(channels, self._deadline)
+        load = asyncio.ensure_future(self._parts.engine.load(worker_plan, timeout=plan.timeout + RPC_GRACE_S))
+        progress = asyncio.ensure_future(op.follow_progress(channels.next_progress))
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(
+            loop.time() + max(self._deadline - time.time(), 0.0),
+            lambda: channels.abort(Cause.UPDATE_TIMEOUT, f"the update's timeout ({plan.timeout:.3f}s) elapsed"),
+        )
+        feeding = asyncio.ensure_future(self._feed(channels, op)) if self._feed is not None else None
+        try:
+            try:
+                results = await load
+            except ControlPlaneError as exc:
+                if exc.reason != Reason.WORKER_TIMEOUT:
+                    raise
+                # A worker was still loading when the call's timeout passed: whatever it wrote
+                # is unknown, so the weights count as mixed (docs/architecture.md).
+                raise UpdateFailed(Cause.WORKER_TIMEOUT, exc.message, modified=True) from None
+            if feeding is not None:
+                await asyncio.wait({feeding}, timeout=1.0)
+            return results
+        finally:
+            timer.cancel()
+            if feeding is not None and not feeding.done():
+                feeding.cancel()
+            progress.cancel()
+
+    async def _finish(self, resume: bool) -> VersionState:
+        """After a successful load: reset the cache, stamp, resume (where the path does it in
+        one round trip per rank), fingerprint and record the version; the marks get "finish"
+        and "fingerprint". The declaration's fingerprint (a pass over the weights) follows the
+        finishing trip, generation running: no update can change the weights before this one
+        is recorded."""
+        plan, parts = self.plan, self._parts
+        # No version: the new weights are undeclared, and so are the tokens they generate.
+        label = plan.version if plan.version is not None else UNDECLARED_LABEL
+        published = await parts.generation.path.finish(plan.reset_cache, label, resume)
+        self.marks.append(("finish", time.monotonic()))
+        fingerprint = await parts.fingerprints.declaration() if plan.version is not None else None
+        self.marks.append(("fingerprint", time.monotonic()))
+        return await parts.ledger.record_update(plan.version, plan.source, fingerprint, published=published)
+
+    def _succeeded(self, state: VersionState, results: list[LoadResult], resumed: bool) -> None:
+        op, plan, started = self.op, self.plan, self._started
+        op.finish(response=success_response(plan, state, results, started, self.pause, resumed))
+        report_finished(self._parts.on_finished, op, plan, "ok", sum(r.bytes_loaded for r in results))
+        log.info(
+            "weights updated",
+            operation=op.name,
+            source=plan.source.value,
+            version=plan.version,
+            tensors=len(plan.tensors),
+            bytes=plan.bytes_total,
+            seconds=round(time.monotonic() - started, 3),
+            # Where the time went: pausing, receiving and loading, the finishing round trip
+            # (cache reset, version stamp, resume: generation is paused until it ends), and
+            # the declaration's fingerprint, taken after generation resumed.
+            phases_ms={
+                name: round((at - before) * 1e3, 1)
+                for (name, at), before in zip(self.marks, [started] + [at for _, at in self.marks], strict=False)
+            },
+        )
+
+    async def _fail(self, failure: UpdateFailed) -> None:
+        parts, op, plan = self._parts, self.op, self.plan
+        gen = parts.generation
+        paused_by_update = self.pause.resumes
+        op.set_phase(pb2.UPDATE_PHASE_FAILED)
+        op.metadata.weights_modified = failure.modified
+        if failure.modified:
+            await gen.set_partial(True)
+            parts.ledger.record_failure(
+                Failure(  # the write lock is still held (see run)
+                    reason=Reason.PARTIAL_UPDATE,
+                    cause=failure.cause,
+                    message=failure.message,
+                    time=time.time(),
+                    attempted_version=plan.version or "",
+                    operation=op.name,
+                )
+            )
+            try:  # tokens generated over mixed weights (after a forced resume) name no version
+                await parts.engine.set_weight_version(UNDECLARED_LABEL)
+            except ControlPlaneError:
+                log.exception("unstamping the version after a partial update failed", operation=op.name)
+            if not paused_by_update:
+                # Generation was running under someone else's pause (e.g. vLLM's own API):
+                # hold it paused all the same; the weights may be mixed.
+                await gen.pause_engine("keep", False, None, reason="update")
+        else:
+            try:
+                if paused_by_update and not gen.caller_paused and not gen.partial:
+                    await gen.resume_engine()
+                elif paused_by_update and gen.caller_paused:
+                    # PauseGeneration(KEEP) arrived meanwhile: the pause is the caller's now.
+                    await gen.path.hold(PauseReason.CALLER)
+            except ControlPlaneError:
+                log.exception("resuming (or handing the pause over) after a failed update failed", operation=op.name)
+        error = failure.error(op.name)
+        if plan.group and failure.cause in BREAKING_CAUSES:
+            await parts.groups.drop(plan.group)
+        op.failure = error
+        op.finish(error=to_status(error))
+        cancelled = failure.cause == Cause.UPDATE_CANCELLED
+        result = "partial" if failure.modified else "cancelled" if cancelled else "failed"
+        report_finished(parts.on_finished, op, plan, result, 0)
+        log.warning(
+            "weight update failed",
+            operation=op.name,
+            cause=failure.cause,
+            partial=failure.modified,
+            message=failure.message,
+        )
