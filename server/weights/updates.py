@@ -35,7 +35,7 @@ from enginectl.server.weights.engine_protocols import UpdateEngine
 from enginectl.server.weights.fingerprints import WeightFingerprints
 from enginectl.server.weights.generation import Generation
 from enginectl.server.weights.groups import UpdateGroups, backends
-from enginectl.server.weights.ledger import Fingerprint, WeightVersionLedger
+from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.server.weights.operations import OperationStore, UpdateOperation
 from enginectl.server.weights.outcome import report_finished
 from enginectl.server.weights.plans import UpdatePlan, UpdateValidator
@@ -120,7 +120,7 @@ class WeightUpdates:
         await self.generation.prepare()
         await self.fingerprints.sampled()
 
-    # --- what GetServerInfo reports, and what a declaration records --------------------------
+    # --- what GetServerInfo reports ----------------------------------------------------------
 
     def backends(self) -> list[pb2.UpdateBackend.ValueType]:
         return backends()
@@ -132,10 +132,6 @@ class WeightUpdates:
     @property
     def full_fingerprint_method(self) -> str:
         return self.fingerprints.full_method
-
-    async def declaration_fingerprint(self) -> Fingerprint:
-        """Recorded at every declaration (see fingerprints.py)."""
-        return await self.fingerprints.declaration()
 
     # --- one call per RPC --------------------------------------------------------------------
 
