@@ -169,9 +169,7 @@ class ControlPlaneServer:
         )
         if updates is None:
             every = (rpc for service in SERVICES for rpc in _every(service))
-            refused.update(
-                _not_implemented((rpc for rpc in every if rpc not in ENGINE_FREE), "it has no engine")
-            )
+            refused.update(_not_implemented((rpc for rpc in every if rpc not in ENGINE_FREE), "it has no engine"))
         if rollouts is not None:  # vLLM's VllmEngine (server/rollouts.py): rollouts on this port
             self.supported_rpcs.extend(rollouts.rpcs)
 
