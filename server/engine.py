@@ -1,29 +1,29 @@
 """EngineAdapter: the one module that talks to vLLM's AsyncLLM.
 
 Runs in the `enginectl serve` process. The rest of the server calls typed methods (`pause`,
-`load`, `fingerprint`, `set_worker_identity`, ...); only this module names the utilities and
-worker RPCs of the engine contract (contract/engine.py) and reads their answers into its
-structs. Everything that must hold on every data-parallel rank goes through `_call_all`, one
-call per EngineCore, one result per rank (vLLM's plain `call_utility_async` answers for the
-first engine only), or `_call_each`, which bounds and reports each rank on its own. The
-control plane calls in from its own loop (see control_loop.py); every call into AsyncLLM runs
-on the engine's loop.
+`load`, `fingerprint`, `set_worker_identity`, ...); only this module and the worker-call
+plumbing it owns (worker_calls.py) name the utilities and worker RPCs of the engine contract
+(contract/engine.py) and read their answers into its structs. Everything that must hold on
+every data-parallel rank goes through `_call_all`, one call per EngineCore, one result per
+rank (vLLM's plain `call_utility_async` answers for the first engine only), or `_call_each`,
+which bounds and reports each rank on its own; worker RPCs go through WorkerCalls, which
+calls back into these two. The control plane calls in from its own loop (see
+control_loop.py); every call into AsyncLLM runs on the engine's loop, and the death watch on
+a thread of its own (`on_death`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import signal
 import threading
 from argparse import Namespace
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from multiprocessing import connection
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import grpc
 import structlog
 
 from enginectl.contract.engine import (
@@ -44,7 +44,6 @@ from enginectl.contract.engine import (
     StageResult,
     Utility,
     VllmUtility,
-    WorkerCall,
     WorkerDigest,
     WorkerRpc,
     read,
@@ -52,7 +51,10 @@ from enginectl.contract.engine import (
 )
 from enginectl.server.control_loop import run_on
 from enginectl.server.engine_processes import reap_children
-from enginectl.server.errors import ControlPlaneError, Reason
+from enginectl.server.errors import ControlPlaneError
+from enginectl.server.worker_calls import RankOutcome, WorkerCalls, engine_dead
+
+__all__ = ["EngineAdapter", "EngineInfo", "RankOutcome"]  # RankOutcome is defined in worker_calls.py
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -88,14 +90,13 @@ class EngineAdapter:
         self._llm = llm
         self._loop = loop  # the loop AsyncLLM and vLLM's HTTP server run on
         self._stopping = False  # set by `shutdown`: processes ending now are not a death
-        # Whether the EngineCores have enginectl's utilities (Utility.WORKER_CALL); learnt on
-        # the first worker call. A user's own scheduler on an engine whose workers run in
-        # processes of their own leaves them without (server/weights/updates.py `prepare`).
-        self._bounded: bool | None = None
         self._death_cause: str | None = None
         self._on_death: Callable[[str], None] | None = None
         # Resolved with the cause when the engine dies; made on the engine's loop by on_death.
         self._death: asyncio.Future[str] | None = None
+        # Every worker RPC goes through it (docs/architecture.md, "Worker calls and their
+        # deadlines"); a late answer that never came is a death, reported through `_died`.
+        self._worker_calls = WorkerCalls(self._call_all, self._call_each, lost=self._died, dead=self._is_dead)
         model, parallel = llm.model_config, llm.vllm_config.parallel_config
         served = model.served_model_name
         self.info = EngineInfo(
@@ -221,103 +222,59 @@ class EngineAdapter:
             raise
         if not task.done():
             task.cancel()
-            raise _engine_dead(f"the engine died during the call ({self._death_cause})")
+            raise engine_dead(f"the engine died during the call ({self._death_cause})")
         return task.result()
 
-    async def _call_all(self, method: str, *args: Any) -> list[Any]:
-        """Call an EngineCore utility on every DP rank; one result per rank, in rank order."""
-        return await self._on_engine(method, lambda: self._unless_dead(self._all(method, *args)))
+    def _is_dead(self) -> bool:
+        return self.errored or self._death_cause is not None
 
-    async def _all(self, method: str, *args: Any) -> list[Any]:
-        return list(await self._llm.engine_core.call_utility_all_async(method, *args))
+    async def _call_all(
+        self, method: str, *args: Any, what: str | None = None, arrived: Callable[[list[Any]], None] | None = None
+    ) -> list[Any]:
+        """Call an EngineCore utility on every DP rank; one result per rank, in rank order.
+        `arrived` sees the results on the engine's loop as soon as they are in; `what` names
+        the call in the ENGINE_DEAD a failure there becomes (default `method`)."""
+
+        async def call() -> list[Any]:  # on the engine's loop
+            answers = list(await self._llm.engine_core.call_utility_all_async(method, *args))
+            if arrived is not None:
+                arrived(answers)
+            return answers
+
+        return await self._on_engine(method if what is None else what, lambda: self._unless_dead(call()))
 
     async def _on_engine(self, what: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run `make()` on the engine's loop; a failure there (but ours) is ENGINE_DEAD."""
         if self._llm.errored:
-            raise _engine_dead("the engine has died")
+            raise engine_dead("the engine has died")
         try:
             return await run_on(self._loop, make())
         except (asyncio.CancelledError, ControlPlaneError):
             raise
         except Exception as exc:
-            raise _engine_dead(f"{what} failed on the engine: {exc}") from exc
+            raise engine_dead(f"{what} failed on the engine: {exc}") from exc
 
-    async def _call_each(self, method: str, *args: Any, timeout: float) -> list[RankOutcome[Any]]:
+    async def _call_each(
+        self,
+        method: str,
+        *args: Any,
+        timeout: float,
+        arrived: Callable[[list[RankOutcome[Any]]], None] | None = None,
+    ) -> list[RankOutcome[Any]]:
         """Call an EngineCore utility on every DP rank, each call on its own and bounded by
         `timeout`: one outcome per rank, in rank order. Unlike `_call_all`, a rank that raises
-        or does not answer in time is named while the others' answers are kept."""
+        or does not answer in time is named while the others' answers are kept. `arrived`
+        sees the outcomes on the engine's loop as soon as they are in."""
         if self._llm.errored:
-            raise _engine_dead("the engine has died")
-        return await run_on(self._loop, _call_each(self._llm.engine_core, method, args, timeout))
-
-    # --- worker calls (docs/architecture.md, "Worker calls and their deadlines") -----------
-
-    async def _workers(self, rpc: WorkerRpc, *args: Any, timeout: float) -> list[list[Any]]:
-        """A worker RPC on every worker of every rank, bounded by `timeout` in each
-        EngineCore (Utility.WORKER_CALL): per DP rank, one answer per worker. A call that
-        outlived its timeout raises DEADLINE_EXCEEDED WORKER_TIMEOUT once its late answers
-        were drained; if they never came, that EngineCore stopped its executor and the engine
-        is dead from here on."""
-
-        if not await self._has_worker_call():
-            # vLLM's own collective_rpc with no timeout: the EngineCore waits for every answer,
-            # so none can be late (every worker RPC answers in bounded time by construction).
-            per_rank = await self._call_all(VllmUtility.COLLECTIVE_RPC.value, rpc.value, None, args, None)
-            return [list(answers) for answers in per_rank]
-
-        async def call() -> list[WorkerCall]:  # on the engine's loop
-            answers = await self._all(Utility.WORKER_CALL.value, rpc.value, timeout, args)
-            calls = [read(WorkerCall, answer) for answer in answers]
-            for c in calls:
-                self._note_lost(c)
-            return calls
-
-        calls = await self._on_engine(rpc.value, lambda: self._unless_dead(call()))
-        return [_answers(c) for c in calls]
-
-    async def _group_call(self, rpc: WorkerRpc, arg: Any, timeout: float) -> list[RankOutcome[list[Any]]]:
-        """A group RPC, rank by rank (`_call_each`): each EngineCore bounds it by
-        QUICK_RPC_TIMEOUT_S (the workers answer at once), the server waits `timeout` at most."""
-
-        if not await self._has_worker_call():  # as in `_workers`
-            plain = await self._call_each(
-                VllmUtility.COLLECTIVE_RPC.value, rpc.value, None, (arg,), None, timeout=timeout
-            )
-            return [o.map(list) for o in plain]
+            raise engine_dead("the engine has died")
 
         async def call() -> list[RankOutcome[Any]]:  # on the engine's loop
-            args = (rpc.value, QUICK_RPC_TIMEOUT_S, (arg,))
-            outcomes = await _call_each(self._llm.engine_core, Utility.WORKER_CALL.value, args, timeout)
-            for outcome in outcomes:
-                if outcome.result is not None:
-                    with contextlib.suppress(ValueError, TypeError):  # unreadable: that rank's RANK_ERROR
-                        self._note_lost(read(WorkerCall, outcome.result))
+            outcomes = await _call_each(self._llm.engine_core, method, args, timeout)
+            if arrived is not None:
+                arrived(outcomes)
             return outcomes
 
-        if self._llm.errored:
-            raise _engine_dead("the engine has died")
-        outcomes = await run_on(self._loop, call())
-        return [o.map(lambda answer: _answers(read(WorkerCall, answer))) for o in outcomes]
-
-    async def _has_worker_call(self) -> bool:
-        """Whether the EngineCores have Utility.WORKER_CALL (asked once, by a cheap utility of
-        the same set: a scheduler that lacks one lacks them all)."""
-        if self._bounded is None:
-            try:
-                await self._call_all(Utility.GENERATION_STATE.value)
-                self._bounded = True
-            except ControlPlaneError:
-                if self.errored or self._death_cause is not None:
-                    raise
-                self._bounded = False
-        return self._bounded
-
-    def _note_lost(self, call: WorkerCall) -> None:
-        """On the engine's loop, as soon as the answer is in: a late answer that never came
-        means that EngineCore stopped its executor. The engine is dead, and this says why
-        before vLLM's own signs of it (the EngineCore's next step fails) can."""
-        if call.late is not None and not call.late.drained:
-            self._died(call.late.message)
+        return await run_on(self._loop, call())
 
     # --- generation --------------------------------------------------------------------
 
@@ -368,22 +325,22 @@ class EngineAdapter:
     async def load(self, plan: LoadPlan, timeout: float) -> list[LoadResult]:
         """Every worker loads `plan`; one result per worker, rank by rank. `timeout` bounds
         the RPC itself (the workers stop at `plan.deadline`)."""
-        per_rank = await self._workers(WorkerRpc.LOAD, wire(plan), timeout=timeout)
+        per_rank = await self._worker_calls.call(WorkerRpc.LOAD, wire(plan), timeout=timeout)
         return [read(LoadResult, worker) for workers in per_rank for worker in workers]
 
     async def stage(self, plan: LoadPlan) -> list[list[StageAck]]:
         """Every worker starts staging `plan` on a thread of its own and answers at once."""
-        per_rank = await self._workers(WorkerRpc.STAGE, wire(plan), timeout=QUICK_RPC_TIMEOUT_S)
+        per_rank = await self._worker_calls.call(WorkerRpc.STAGE, wire(plan), timeout=QUICK_RPC_TIMEOUT_S)
         return [[read(StageAck, w) for w in rank] for rank in per_rank]
 
     async def stage_result(self, token: str) -> list[list[StageResult]]:
         """How every worker's staging of `token` ended (or that it still runs)."""
-        per_rank = await self._workers(WorkerRpc.STAGE_RESULT, token, timeout=QUICK_RPC_TIMEOUT_S)
+        per_rank = await self._worker_calls.call(WorkerRpc.STAGE_RESULT, token, timeout=QUICK_RPC_TIMEOUT_S)
         return [[read(StageResult, w) for w in rank] for rank in per_rank]
 
     async def discard_staged(self, token: str, free: bool) -> int:
         """Every worker drops the staged set `token`; the bytes the workers held."""
-        per_rank = await self._workers(WorkerRpc.DISCARD_STAGED, token, free, timeout=QUICK_RPC_TIMEOUT_S)
+        per_rank = await self._worker_calls.call(WorkerRpc.DISCARD_STAGED, token, free, timeout=QUICK_RPC_TIMEOUT_S)
         return sum(int(w) for rank in per_rank for w in rank)
 
     async def finish_update(self, request: FinishUpdate) -> list[list[WorkerDigest]]:
@@ -394,34 +351,34 @@ class EngineAdapter:
 
     async def fingerprint(self) -> list[list[WorkerDigest]]:
         """The sampled digest of the weights now, per rank and worker (milliseconds)."""
-        answers = await self._workers(WorkerRpc.FINGERPRINT, timeout=DIGEST_RPC_TIMEOUT_S)
+        answers = await self._worker_calls.call(WorkerRpc.FINGERPRINT, timeout=DIGEST_RPC_TIMEOUT_S)
         return [[read(WorkerDigest, w) for w in rank] for rank in answers]
 
     async def declare_fingerprint(self, token: str) -> list[list[WorkerDigest]]:
         """A declaration's sampled digest; the workers record its full baseline under `token`."""
-        answers = await self._workers(WorkerRpc.DECLARE_FINGERPRINT, token, timeout=DIGEST_RPC_TIMEOUT_S)
+        answers = await self._worker_calls.call(WorkerRpc.DECLARE_FINGERPRINT, token, timeout=DIGEST_RPC_TIMEOUT_S)
         return [[read(WorkerDigest, w) for w in rank] for rank in answers]
 
     async def full_digest(self, job: DigestJob, token: str) -> list[list[DigestSlice]]:
         """One slice of a full digest on every worker."""
-        answers = await self._workers(WorkerRpc.FULL_DIGEST, job.value, token, timeout=DIGEST_RPC_TIMEOUT_S)
+        answers = await self._worker_calls.call(WorkerRpc.FULL_DIGEST, job.value, token, timeout=DIGEST_RPC_TIMEOUT_S)
         return [[read(DigestSlice, w) for w in rank] for rank in answers]
 
     async def init_group(self, spec: GroupSpec, timeout: float) -> list[RankOutcome[list[GroupJoined]]]:
         """Every worker starts joining the update group `spec` on a thread of its own; each
         rank answers at once (`joining`) or says why not, bounded by `timeout`."""
-        outcomes = await self._group_call(WorkerRpc.INIT_GROUP, wire(spec), timeout=timeout)
+        outcomes = await self._worker_calls.call_per_rank(WorkerRpc.INIT_GROUP, wire(spec), timeout=timeout)
         return [o.map(lambda workers: [read(GroupJoined, w) for w in workers]) for o in outcomes]
 
     async def group_join_state(self, name: str, timeout: float) -> list[RankOutcome[list[GroupJoined]]]:
         """How every worker's join of `name` stands (each answers at once); bounded by `timeout`."""
-        outcomes = await self._group_call(WorkerRpc.GROUP_JOIN_STATE, name, timeout=timeout)
+        outcomes = await self._worker_calls.call_per_rank(WorkerRpc.GROUP_JOIN_STATE, name, timeout=timeout)
         return [o.map(lambda workers: [read(GroupJoined, w) for w in workers]) for o in outcomes]
 
     async def destroy_group(self, name: str) -> None:
         """Every worker leaves the update group `name`, or gives up joining it (a no-op where
         it is unknown)."""
-        await self._group_call(WorkerRpc.DESTROY_GROUP, name, timeout=QUICK_RPC_TIMEOUT_S + 1)
+        await self._worker_calls.call_per_rank(WorkerRpc.DESTROY_GROUP, name, timeout=QUICK_RPC_TIMEOUT_S + 1)
 
     # --- worker identity ---------------------------------------------------------------
 
@@ -470,32 +427,6 @@ class EngineAdapter:
             pass
 
 
-U = TypeVar("U")
-
-
-@dataclass(frozen=True)
-class RankOutcome(Generic[T]):
-    """One rank's answer to a per-rank call: `result`, or a `failure` with a message."""
-
-    dp_rank: int
-    result: T | None = None
-    failure: RankFailure | None = None
-    message: str = ""
-
-    def map(self, convert: Callable[[Any], U]) -> RankOutcome[U]:
-        """The same outcome with `result` converted (a failure stays as it is). A result the
-        contract can not read becomes a RANK_ERROR of that rank."""
-        if self.failure is not None:
-            return RankOutcome(self.dp_rank, None, self.failure, self.message)
-        try:
-            return RankOutcome(self.dp_rank, convert(self.result))
-        except (ValueError, TypeError) as exc:  # msgspec.ValidationError is a ValueError
-            return RankOutcome(self.dp_rank, None, RankFailure.RANK_ERROR, f"unreadable answer: {exc}")
-        except ControlPlaneError as exc:  # the rank's late answer (EngineAdapter._answers)
-            failure = RankFailure.RANK_TIMEOUT if exc.reason == Reason.WORKER_TIMEOUT else RankFailure.ENGINE_DEAD
-            return RankOutcome(self.dp_rank, None, failure, exc.message)
-
-
 async def _call_each(core: Any, method: str, args: tuple[Any, ...], timeout: float) -> list[RankOutcome[Any]]:
     """Runs on the engine's loop: one utility call per EngineCore, all started at once."""
     from vllm.v1.engine.exceptions import EngineDeadError
@@ -521,22 +452,6 @@ async def _call_each(core: Any, method: str, args: tuple[Any, ...], timeout: flo
     return outcomes
 
 
-def _answers(call: WorkerCall) -> list[Any]:
-    """A rank's WorkerCall as its workers' answers, or the error of its late answer: ENGINE_DEAD
-    when it never came (EngineAdapter._note_lost), else DEADLINE_EXCEEDED WORKER_TIMEOUT."""
-    late = call.late
-    if late is None:
-        return call.answers
-    if not late.drained:
-        raise _engine_dead(late.message)
-    raise ControlPlaneError(
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        Reason.WORKER_TIMEOUT,
-        late.message,
-        metadata={"rpc": late.rpc, "timeout": f"{late.timeout:.3f}"},
-    )
-
-
 def _exited(process: Any) -> str:
     """'EngineCore_DP0 (pid 123) was killed by SIGKILL', or '... exited with code 1'."""
     code = process.exitcode
@@ -547,7 +462,3 @@ def _exited(process: Any) -> str:
     else:
         how = f"exited with code {code}"
     return f"{process.name} (pid {process.pid}) {how}"
-
-
-def _engine_dead(message: str) -> ControlPlaneError:
-    return ControlPlaneError(grpc.StatusCode.UNAVAILABLE, Reason.ENGINE_DEAD, message)
