@@ -7,7 +7,7 @@ export VLLM_NO_USAGE_STATS ?= 1
 # The Python folders ruff checks and formats.
 PY_DIRS := client server worker common contract cli scripts tests bench examples
 
-.PHONY: install serve test unit check check-protos gen bench soak mypy-tree
+.PHONY: install serve test unit check check-protos gen bench soak mypy-tree imports
 
 install:
 	./scripts/install.sh
@@ -45,14 +45,18 @@ for name, folder in dirs.items():
 endef
 export MYPY_TREE
 
-# Static checks: protos, generated code, lint, formatting, types, import rules. lint-imports
-# ([tool.importlinter]) reads the same build/mypy tree: the editable install's import hook shows
-# it only protos/enginectl as the enginectl package. No cache: the graph takes 0.1 s to build.
+# The import rules ([tool.importlinter]), for `check` and the pre-commit hook. lint-imports
+# reads the build/mypy tree: the editable install's import hook shows it only protos/enginectl
+# as the enginectl package. No cache: the graph takes 0.1 s to build.
+imports: mypy-tree
+	PYTHONPATH=build/mypy $(BIN)/lint-imports --no-logo --no-cache
+
+# Static checks: protos, generated code, lint, formatting, types, import rules.
 check: check-protos mypy-tree
 	$(BIN)/ruff check $(PY_DIRS)
 	$(BIN)/ruff format --check $(PY_DIRS)
 	$(BIN)/mypy
-	PYTHONPATH=build/mypy $(BIN)/lint-imports --no-logo --no-cache
+	$(MAKE) --no-print-directory imports
 
 test: install check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
