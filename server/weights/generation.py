@@ -53,7 +53,7 @@ class Generation:
         self.quarantined = False
         # Hears every change of `quarantined`, before the call that changed it answers: gRPC
         # health goes NOT_SERVING while the weights may be mixed.
-        self.on_partial = on_partial
+        self._on_partial = on_partial
         self.mode = ""  # the mode of the pause in effect ("" when running)
         self.pause_time: float | None = None
         self.active: UpdateOperation | None = None  # the update running, or last run
@@ -90,8 +90,8 @@ class Generation:
                 log.exception("labelling the pause of a partial update failed")
         quarantine_changed = partial != self.quarantined
         self.quarantined = partial
-        if quarantine_changed and self.on_partial is not None:
-            await self.on_partial(partial)
+        if quarantine_changed and self._on_partial is not None:
+            await self._on_partial(partial)
 
     def _holder(self, reason: str) -> PauseReason:
         """Who holds a pause made now for `reason` ("update" or "caller"), as `state` will

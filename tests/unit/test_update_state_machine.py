@@ -40,9 +40,22 @@ async def ledger(engine: EngineDouble) -> WeightVersionLedger:
 
 
 @pytest.fixture
-async def updates(engine: EngineDouble, ledger: WeightVersionLedger) -> AsyncIterator[WeightUpdates]:
+def quarantines() -> list[bool]:
+    """What the updates told the server's health of quarantine (on_partial), in order."""
+    return []
+
+
+@pytest.fixture
+async def updates(
+    engine: EngineDouble, ledger: WeightVersionLedger, quarantines: list[bool]
+) -> AsyncIterator[WeightUpdates]:
+    async def on_partial(on: bool) -> None:
+        quarantines.append(on)
+
     store = OperationStore()
-    updates = WeightUpdates(engine, ledger, store, allowed_roots=[], expected={TENSOR.name: TENSOR})
+    updates = WeightUpdates(
+        engine, ledger, store, allowed_roots=[], expected={TENSOR.name: TENSOR}, on_partial=on_partial
+    )
     await updates.prepare()
     yield updates
     updates.close()
@@ -235,13 +248,10 @@ async def test_a_partial_update_leaves_undeclared_paused_until_forced_or_reloade
     assert not engine.paused
 
 
-async def test_a_forced_resume_after_a_partial_update(updates: WeightUpdates, engine: EngineDouble) -> None:
-    heard: list[bool] = []
-
-    async def quarantine(on: bool) -> None:
-        heard.append(on)
-
-    updates.generation.on_partial = quarantine
+async def test_a_forced_resume_after_a_partial_update(
+    updates: WeightUpdates, engine: EngineDouble, quarantines: list[bool]
+) -> None:
+    heard = quarantines
     engine.script = LoadScript(error=Cause.LOAD_FAILED, modified=True)
     await finished(updates, (await updates.start(plan()))[0])
     assert heard == [True]

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 import grpc
 from google.longrunning import operations_pb2
 
-from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.interceptors import caller_authenticated
 from enginectl.server.weights.updates import WeightUpdates
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
@@ -35,8 +34,9 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
 
     @property
     def updates(self) -> WeightUpdates:
-        if self._updates is None:
-            raise ControlPlaneError(grpc.StatusCode.UNIMPLEMENTED, Reason.NOT_IMPLEMENTED, "this server has no engine")
+        # Without an engine the interceptor refuses every RPC that needs one before it gets
+        # here (grpc_server.py, the one place "no engine" is refused).
+        assert self._updates is not None
         return self._updates
 
     async def GetServerInfo(

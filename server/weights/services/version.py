@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from enginectl.server.errors import ControlPlaneError, Reason
+from enginectl.server.errors import ControlPlaneError
 from enginectl.server.weights.convert import weight_version_proto
 from enginectl.server.weights.ledger import LedgerClosed, VersionState, WeightVersionLedger
 from enginectl.server.weights.updates import WeightUpdates
@@ -59,6 +59,5 @@ class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
     async def VerifyWeights(
         self, request: pb2.VerifyWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb2.VerifyWeightsResponse:
-        if self._updates is None:
-            raise ControlPlaneError(grpc.StatusCode.UNIMPLEMENTED, Reason.NOT_IMPLEMENTED, "this server has no engine")
+        assert self._updates is not None  # refused without an engine before here (grpc_server.py)
         return await self._updates.verify(request.full)
