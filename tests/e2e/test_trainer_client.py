@@ -24,6 +24,7 @@ from support.serving import ServeProcess
 from support.weights import Checkpoints, greedy_tokens
 
 from e2e.own_servers import own_checkpoints, own_weights_server, trainer_client
+from e2e.raw_tensor_stream import chunk, header, stream
 from enginectl.client import (
     AsyncTrainerClient,
     EnginectlError,
@@ -33,9 +34,6 @@ from enginectl.client import (
     TrainerClient,
     WeightSource,
 )
-from enginectl.client.errors import from_rpc_error
-from enginectl.weights.v1 import weight_update_service_pb2 as pb2
-from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
 TRAINER = Path(__file__).resolve().parents[1] / "support" / "trainer_proc.py"
 PROC_TIMEOUT_S = 240.0
@@ -331,27 +329,6 @@ def test_distributed_bucket_bytes_over_the_bound_is_refused(client: TrainerClien
 
 
 # --- malformed tensor streams ----------------------------------------------------------
-
-
-def stream(server: ServeProcess, messages: list[pb2.UpdateWeightsFromTensorsRequest]) -> EnginectlError:
-    """Send `messages` raw over UpdateWeightsFromTensors; the error it ends with."""
-    with grpc.insecure_channel(server.grpc_target) as channel:
-        stub = pb2_grpc.WeightUpdateServiceStub(channel)
-        with pytest.raises(grpc.RpcError) as err:
-            stub.UpdateWeightsFromTensors(iter(messages), timeout=120)
-    return from_rpc_error(err.value)
-
-
-def header(state: dict[str, Any], **fields: Any) -> pb2.UpdateWeightsFromTensorsRequest:
-    from enginectl.client.trainer_tensors import tensor_spec
-
-    return pb2.UpdateWeightsFromTensorsRequest(
-        header=pb2.TensorStreamHeader(tensors=[tensor_spec(n, t) for n, t in state.items()], **fields)
-    )
-
-
-def chunk(offset: int, data: bytes) -> pb2.UpdateWeightsFromTensorsRequest:
-    return pb2.UpdateWeightsFromTensorsRequest(chunk=pb2.TensorStreamChunk(offset=offset, data=data))
 
 
 def test_bad_streams_get_their_reasons_and_change_nothing(
