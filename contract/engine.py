@@ -63,8 +63,9 @@ class VllmUtility(str, enum.Enum):
 
 
 class Utility(str, enum.Enum):
-    """enginectl's EngineCore utilities (worker/engine_core.py and worker/fpm/engine_core.py
-    attach them to vLLM's EngineCore); they run on the engine thread, between steps."""
+    """enginectl's EngineCore utilities (defined in worker/engine_core.py and
+    worker/fpm/engine_core.py, attached to vLLM's EngineCore by worker/attach.py `attach()`);
+    they run on the engine thread, between steps."""
 
     GENERATION_STATE = "enginectl_generation_state"
     # Pause (vLLM's pause_scheduler) or resume, answering the rank's state from just before:
