@@ -1,7 +1,7 @@
 """`enginectl fpm watch`: forward-pass metrics samples as they are relayed, resumable.
 
-Runs in the `enginectl` process: one StreamForwardPassMetrics call (client/fpm.py) on a
-private event-loop thread (client/_sync.py), read one message at a time. Samples go to stdout
+Runs in the `enginectl` process: one StreamForwardPassMetrics call read one message at a time
+(client/fpm.py `iter_forward_pass_metrics`, on a private event-loop thread). Samples go to stdout
 (JSON lines, or a row each on a terminal); what a resume needs goes to stderr: the
 incarnation, and how many samples a slow reader missed with the sequence to resume after to
 fetch them.
@@ -10,23 +10,12 @@ fetch them.
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 from enginectl.cli.output import Output
 from enginectl.cli.views import SAMPLE_COLUMNS, sample_row
-from enginectl.client._sync import LoopThread
 from enginectl.client.client import ChannelConfig
-from enginectl.client.fpm import FpmBatch, FpmProgress, stream_forward_pass_metrics, stream_request
-from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
-
-
-async def _events(
-    config: ChannelConfig, request: svc_pb2.StreamForwardPassMetricsRequest
-) -> AsyncIterator[FpmBatch | FpmProgress]:
-    """The stream's messages, on a channel of its own (made on the loop that reads it)."""
-    async with config.aio_channel() as channel:
-        async for event in stream_forward_pass_metrics(channel, request, config):
-            yield event
+from enginectl.client.fpm import FpmProgress, iter_forward_pass_metrics, stream_request
 
 
 def watch(
@@ -50,8 +39,7 @@ def watch(
         resume_after_sequence=since,
         resume_incarnation=incarnation,
     )
-    loop = LoopThread("enginectl-fpm-watch")
-    events = loop.iterate(_events(config, request))
+    events = iter_forward_pass_metrics(config, request)
     printed, last, live = 0, since, incarnation
     try:
         for event in events:
@@ -70,4 +58,3 @@ def watch(
                     return
     finally:
         events.close()
-        loop.close()

@@ -7,12 +7,13 @@ Field meanings are those of `enginectl/fpm/v1/forward_pass_metrics.proto`.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Generator, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import grpc
 
+from enginectl.client._sync import LoopThread
 from enginectl.client.client import ChannelConfig
 from enginectl.client.errors import from_rpc_error
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
@@ -210,3 +211,27 @@ async def stream_forward_pass_metrics(
         raise from_rpc_error(err) from None
     finally:
         call.cancel()
+
+
+async def _on_own_channel(
+    config: ChannelConfig, request: svc_pb2.StreamForwardPassMetricsRequest
+) -> AsyncIterator[FpmBatch | FpmProgress]:
+    async with config.aio_channel() as channel:  # made on the loop that reads it
+        async for event in stream_forward_pass_metrics(channel, request, config):
+            yield event
+
+
+def iter_forward_pass_metrics(
+    config: ChannelConfig, request: svc_pb2.StreamForwardPassMetricsRequest
+) -> Generator[FpmBatch | FpmProgress, None, None]:
+    """Blocking: the stream's progress messages and batches, read one message at a time (no
+    read-ahead) on a private event-loop thread, over a channel of the stream's own. Closing
+    the iterator, or leaving a for loop early, ends the call and the thread. Raises
+    EnginectlError as `stream_forward_pass_metrics` does."""
+    loop = LoopThread("enginectl-fpm-watch")
+    events = loop.iterate(_on_own_channel(config, request))
+    try:
+        yield from events
+    finally:
+        events.close()
+        loop.close()
