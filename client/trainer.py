@@ -88,9 +88,9 @@ class AsyncTrainerClient(AsyncClient):
         self._verify = wv_grpc.WeightVersionServiceStub(connection.channel)
         self._operations = UpdateOperations(connection)
         self._stream = TensorStream(connection, self._updates)
-        self._broadcasts = BroadcastUpdates(self, self._updates)
-        self._ipc = IpcUpdates(self, self._updates, self._operations)
-        self._staging = Staging(connection, self._updates, self._operations, self._stream, self._broadcasts)
+        self._broadcasts: BroadcastUpdates = BroadcastUpdates(self, self._updates)
+        self._ipc: IpcUpdates = IpcUpdates(self, self._updates, self._operations)
+        self._staging: Staging = Staging(connection, self._updates, self._operations, self._stream, self._broadcasts)
 
     async def close(self) -> None:
         self._broadcasts.close()

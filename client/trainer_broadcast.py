@@ -22,12 +22,11 @@ from enginectl.client.trainer_tensors import (
     named_tensors,
     tensor_spec,
 )
-from enginectl.client.trainer_types import UpdateOperation, UpdateResult, WeightsUpdateGroup
+from enginectl.client.trainer_types import TrainerCalls, UpdateOperation, UpdateResult, WeightsUpdateGroup
 from enginectl.common.buckets import cut
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 if TYPE_CHECKING:
-    from enginectl.client.trainer import AsyncTrainerClient
     from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
 DEFAULT_GROUP = "enginectl-trainer"
@@ -41,7 +40,7 @@ class AsyncBroadcast:
 
     def __init__(
         self,
-        client: AsyncTrainerClient,
+        client: TrainerCalls,
         group: BroadcastGroup,
         operation: UpdateOperation,
         tensors: list[Any],
@@ -134,7 +133,7 @@ class BroadcastUpdates:
     """The trainer's update groups (rank 0 of each, by name) and the broadcast updates sent
     through them. A group whose broadcast failed or was cut short is abandoned: it is gone."""
 
-    def __init__(self, client: AsyncTrainerClient, stub: pb2_grpc.WeightUpdateServiceStub) -> None:
+    def __init__(self, client: TrainerCalls, stub: pb2_grpc.WeightUpdateServiceStub) -> None:
         self._client, self._connection, self._stub = client, client.connection, stub
         self._groups: dict[str, BroadcastGroup] = {}
 

@@ -26,12 +26,11 @@ from enginectl.client.errors import FailedPreconditionError, Reason, Unimplement
 from enginectl.client.trainer_operations import UpdateOperations
 from enginectl.client.trainer_requests import UpdateOptions
 from enginectl.client.trainer_tensors import TensorSource, named_tensors, tensor_spec
-from enginectl.client.trainer_types import UpdateOperation, UpdateResult
+from enginectl.client.trainer_types import TrainerCalls, UpdateOperation, UpdateResult
 from enginectl.common.host import host_identity
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 if TYPE_CHECKING:
-    from enginectl.client.trainer import AsyncTrainerClient
     from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
 
@@ -122,7 +121,7 @@ class IpcUpdates:
     path of its tensor updates."""
 
     def __init__(
-        self, client: AsyncTrainerClient, stub: pb2_grpc.WeightUpdateServiceStub, operations: UpdateOperations
+        self, client: TrainerCalls, stub: pb2_grpc.WeightUpdateServiceStub, operations: UpdateOperations
     ) -> None:
         self._client, self._connection, self._stub = client, client.connection, stub
         self._operations = operations

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Protocol
 
 from google.longrunning import operations_pb2
 
+from enginectl.client.client import Connection
 from enginectl.client.errors import EnginectlError, from_status
 from enginectl.client.types import WeightVersion
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
@@ -324,3 +326,17 @@ class WeightsUpdateGroup:
     world_size: int
     rank_offset: int
     num_engine_ranks: int
+
+
+class TrainerCalls(Protocol):
+    """What the trainer's helpers (trainer_broadcast.py, trainer_ipc.py) call back on the
+    trainer that holds them: AsyncTrainerClient (trainer.py), named by this type so that no
+    helper imports the trainer it serves."""
+
+    connection: Connection
+
+    async def get_server_info(self, *, timeout: float | None = None) -> ServerInfo: ...
+
+    async def wait_operation(
+        self, name: str, timeout: float | None = None, *, progress: bool = False
+    ) -> UpdateOperation: ...

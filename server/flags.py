@@ -46,7 +46,7 @@ DEFAULT_GRPC_PORT = 50051
 TOKEN_ENV = "ENGINECTL_TOKEN"
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 WORKER_EXTENSION = "enginectl.worker.weights.extension.EnginectlWorkerExtension"
-SCHEDULER = "enginectl.worker.fpm.scheduler.make_scheduler"
+SCHEDULER = "enginectl.worker.scheduler.make_scheduler"
 # vLLM flags that suit the embedded tiny model on any machine; explicit flags still win.
 DEFAULT_MODEL_FLAGS = (
     "--dtype",

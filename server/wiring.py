@@ -30,7 +30,7 @@ from enginectl.server.fpm.identity_gate import IdentityGate
 from enginectl.server.fpm.relay_zmq import FpmRelayHost
 from enginectl.server.grpc_server import ControlPlaneServer, service_names
 from enginectl.server.health import ServingHealth
-from enginectl.server.metrics import ControlPlaneMetrics
+from enginectl.server.metrics import ControlPlaneMetrics, register_fpm_metrics
 from enginectl.server.prompt_calls import PromptCalls
 from enginectl.server.weights.disk import checkpoint_tensors
 from enginectl.server.weights.fingerprints import WeightFingerprints
@@ -133,6 +133,7 @@ async def start_control_plane(
     )
     await updates.prepare()  # milliseconds
     relay = before.fpm.start(ledger)
+    register_fpm_metrics(relay)  # once per process: the relay's counters on vLLM's /metrics
     identity = IdentitySync(
         engine,
         await_worker_id=config.identity.await_worker_id,

@@ -3,7 +3,7 @@
 Runs in each EngineCore process and in each worker process. Importing any enginectl module
 changes nothing in vLLM; the hooks exist once `attach()` ran, and it is called explicitly:
 
-- by enginectl's scheduler (worker/fpm/scheduler.py) when the EngineCore builds it, in the
+- by enginectl's scheduler factory (worker/scheduler.py) when the EngineCore builds it, in the
   EngineCore process, before the EngineCore answers any utility call;
 - by enginectl's worker extension (worker/weights/extension.py) when vLLM builds the worker it
   is mixed into, in the worker's process, before any RPC. On single-worker engines the worker

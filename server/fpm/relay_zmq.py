@@ -121,10 +121,10 @@ class FpmRelayHost:
         self._drained = True  # the last read emptied the socket
         self._resume: asyncio.Handle | None = None  # the wakeup's next step, or the next wakeup
 
-    def start(self, ledger: WeightVersionLedger, *, export_metrics: bool = True) -> FpmRelay:
+    def start(self, ledger: WeightVersionLedger) -> FpmRelay:
         """Build the relay (incarnation and revisions from `ledger`) and start draining the
-        socket; call on the loop that serves the streams. With `export_metrics`, the relay's
-        counters join vLLM's Prometheus registry (once per process)."""
+        socket; call on the loop that serves the streams. Its counters join vLLM's Prometheus
+        registry where the server is wired (server/wiring.py, server/metrics.py)."""
         relay = FpmRelay(
             incarnation=ledger.incarnation,
             revision=lambda: ledger.state.revision,
@@ -132,10 +132,6 @@ class FpmRelayHost:
             queue_limit=self._queue_limit,
             require_identity=self._require_identity,
         )
-        if export_metrics:
-            from enginectl.server.metrics import register_fpm_metrics
-
-            register_fpm_metrics(relay)
         self.attach(relay)
         log.info(
             "fpm relay listening",

@@ -149,7 +149,7 @@ async def flooded(hold: Hold, intake: Intake) -> AsyncIterator[tuple[FpmRelay, F
     flood publisher."""
     host = FpmRelayHost(ring_size=BURST + MORE_AT_MOST, intake_backlog=BACKLOG, defer_to=intake.defer_to)
     ledger = WeightVersionLedger()
-    relay = host.start(ledger, export_metrics=False)
+    relay = host.start(ledger)
     plane = ControlPlaneServer(ledger, fpm_relay=relay, prompt_calls=intake.prompt)
     plane._server.add_generic_rpc_handlers((hold.handler(),))  # the test's RPC only
     port = await plane.start("127.0.0.1", 0)

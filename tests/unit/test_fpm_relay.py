@@ -335,7 +335,7 @@ async def test_zmq_fan_in_slow_subscriber_misses_fast_one_does_not(host: FpmRela
     every one in order; a slow one that reads nothing until the end gets the latest per key
     and is told how many it missed."""
     ledger = WeightVersionLedger()
-    relay = host.start(ledger, export_metrics=False)
+    relay = host.start(ledger)
     probe_seen = threading.Event()
     probe = relay.subscribe(SampleFilter(worker_ids=frozenset({"probe"})))
     publisher = Publisher(host.endpoint)

@@ -105,9 +105,12 @@ def test_importing_the_worker_modules_attaches_nothing() -> None:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
-    assert {"enginectl.worker.attach", "enginectl.worker.fpm.scheduler", "enginectl.worker.weights.extension"} <= set(
-        seen["modules"]
-    )
+    assert {
+        "enginectl.worker.attach",
+        "enginectl.worker.scheduler",
+        "enginectl.worker.fpm.scheduler",
+        "enginectl.worker.weights.extension",
+    } <= set(seen["modules"])
     assert seen["enginectl"] == []
     assert seen["generation_state"] is False
     assert seen["collective_rpc_wrapped"] is False

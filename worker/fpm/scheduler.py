@@ -1,13 +1,11 @@
 """enginectl's vLLM scheduler: vLLM's own scheduler plus a forward-pass metrics publisher.
 
-Runs inside each EngineCore process (one per data-parallel rank). `enginectl serve` sets
-vLLM's `scheduler_cls` to `make_scheduler`, which the EngineCore calls in place of a class:
-it builds a subclass of exactly the scheduler vLLM would otherwise use (`AsyncScheduler`
-when async scheduling is on, `Scheduler` otherwise), so scheduling itself is unchanged.
-
-Building it attaches enginectl's EngineCore utilities (worker/attach.py: the weight-update
-ones and the identity ones), so they exist in every EngineCore that runs this scheduler,
-before it answers any utility call. Importing this module changes nothing in vLLM.
+Runs inside each EngineCore process (one per data-parallel rank). `fpm_scheduler` builds a
+subclass of exactly the scheduler vLLM would otherwise use (`AsyncScheduler` when async
+scheduling is on, `Scheduler` otherwise), so scheduling itself is unchanged. The EngineCore
+reaches it through worker/scheduler.py `make_scheduler`, vLLM's `scheduler_cls` under
+`enginectl serve`, which first attaches enginectl's EngineCore utilities (worker/attach.py).
+Importing this module changes nothing in vLLM.
 
 The scheduler holds the rank's RankGeneration (generation.py): every pause and resume, vLLM's
 own included, goes through `set_pause_state`, which tells it.
@@ -23,7 +21,6 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from enginectl.contract.engine import EngineConfig
-from enginectl.worker.attach import attach
 from enginectl.worker.fpm.generation import RankGeneration
 from enginectl.worker.fpm.identity import WorkerIdentity
 from enginectl.worker.fpm.load import queued_load, scheduled_load
@@ -47,7 +44,6 @@ class FpmScheduler(Scheduler):
     fpm_publisher: FpmPublisher | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        attach()  # the EngineCore builds its scheduler before it answers any utility call
         self.fpm_generation = RankGeneration()  # before vLLM's init, which may set a pause state
         super().__init__(*args, **kwargs)
         engine_config = EngineConfig.load(self.vllm_config.additional_config)
@@ -119,9 +115,9 @@ class FpmAsyncScheduler(FpmScheduler, AsyncScheduler):
     AsyncScheduler, then Scheduler)."""
 
 
-def make_scheduler(*args: Any, **kwargs: Any) -> Scheduler:
-    """Called by the EngineCore as its scheduler class: the FPM variant of the scheduler vLLM
-    would pick for this config (see SchedulerConfig.get_scheduler_cls)."""
+def fpm_scheduler(*args: Any, **kwargs: Any) -> Scheduler:
+    """The FPM variant of the scheduler vLLM would pick for this config (see
+    SchedulerConfig.get_scheduler_cls), built with vLLM's scheduler arguments."""
     vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
     cls = FpmAsyncScheduler if vllm_config.scheduler_config.async_scheduling else FpmScheduler
     return cls(*args, **kwargs)
