@@ -18,9 +18,11 @@ PROMPT_WINDOW_S = 0.1
 
 
 class PromptCalls:
-    """A count of calls in flight, each counted until it ends or PROMPT_WINDOW_S passed."""
+    """A count of calls in flight, each counted until it ends or `window_s` (PROMPT_WINDOW_S)
+    passed; a call started after `window_s` changed counts for the new one."""
 
-    def __init__(self) -> None:
+    def __init__(self, window_s: float = PROMPT_WINDOW_S) -> None:
+        self.window_s = window_s
         self.in_flight = 0
 
     def any(self) -> bool:
@@ -29,7 +31,7 @@ class PromptCalls:
 
     def track(self, call: asyncio.Task[Any]) -> None:
         """Count `call` (the task gRPC made for it, which ends once its status is sent) until
-        it ends or PROMPT_WINDOW_S passed, whichever comes first."""
+        it ends or `window_s` passed, whichever comes first."""
         counted = True
 
         def end(*_: object) -> None:
@@ -40,4 +42,4 @@ class PromptCalls:
 
         self.in_flight += 1
         call.add_done_callback(end)
-        asyncio.get_running_loop().call_later(PROMPT_WINDOW_S, end)
+        asyncio.get_running_loop().call_later(self.window_s, end)

@@ -24,7 +24,6 @@ from support.fpm_helpers import HEARTBEAT, STEP, read_until, request
 
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
-from enginectl.server import prompt_calls
 from enginectl.server.fpm.relay import FpmRelay, Subscription
 from enginectl.server.fpm.relay_zmq import (
     COALESCE_BUDGET,
@@ -294,7 +293,7 @@ async def held(channel: grpc.aio.Channel, hold: Hold) -> grpc.aio.UnaryUnaryCall
 
 
 async def test_intake_takes_small_bites_while_a_control_call_runs(
-    flooded: tuple[FpmRelay, Flood, str], hold: Hold, intake: Intake, monkeypatch: pytest.MonkeyPatch
+    flooded: tuple[FpmRelay, Flood, str], hold: Hold, intake: Intake
 ) -> None:
     """While a unary call is in flight on the server, each intake wakeup sequences at most
     the deferring budgets' worth of frames; once it is answered, the intake takes its full
@@ -304,10 +303,10 @@ async def test_intake_takes_small_bites_while_a_control_call_runs(
     flood_filter = SampleFilter(worker_ids=frozenset(WORKERS), include_heartbeats=True)
     reader = relay.subscribe(flood_filter)
     small = 2 * DEFERRING_RELAY_BUDGET  # relayed in full plus coalesced, per wakeup
-    # The prompt window is a module constant read per call. It is raised here so a held call
-    # counts for as long as a loaded machine takes to work through the burst, and set to
-    # zero below to see a call outlive it without waiting; server, sockets and calls are real.
-    monkeypatch.setattr(prompt_calls, "PROMPT_WINDOW_S", 60.0)
+    # The server's own prompt-call counter, with its window raised so a held call counts for as
+    # long as a loaded machine takes to work through the burst, and set to zero below to see a
+    # call outlive it without waiting. No stand-in: server, sockets and calls are real.
+    intake.prompt.window_s = 60.0
     async with grpc.aio.insecure_channel(target) as channel:
         stream = svc_grpc.ForwardPassMetricsServiceStub(channel).StreamForwardPassMetrics(request(["x"]))
         assert (await asyncio.wait_for(stream.read(), 30)).HasField("progress")
@@ -328,7 +327,7 @@ async def test_intake_takes_small_bites_while_a_control_call_runs(
         assert not intake.prompt.any(), "a cancelled call left the intake deferring"
 
         # A zero window lapses on the loop's next turn, before the call's handler runs.
-        monkeypatch.setattr(prompt_calls, "PROMPT_WINDOW_S", 0.0)
+        intake.prompt.window_s = 0.0
         long = await held(channel, hold)
         assert not intake.prompt.any(), "a call past the prompt window kept the intake deferring"
         hold.release.set()
