@@ -54,8 +54,6 @@ from enginectl.server.engine_processes import reap_children
 from enginectl.server.errors import ControlPlaneError
 from enginectl.server.worker_calls import RankOutcome, WorkerCalls, engine_dead
 
-__all__ = ["EngineAdapter", "EngineInfo", "RankOutcome"]  # RankOutcome is defined in worker_calls.py
-
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -23,7 +23,7 @@ from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.limits import MAX_IDENTITY_TIMEOUT_S, MAX_WORKER_ID_BYTES, LabelProblem, label_problem
 
 if TYPE_CHECKING:
-    from enginectl.server.engine import RankOutcome
+    from enginectl.server.worker_calls import RankOutcome
 
 
 class IdentityEngine(Protocol):

@@ -24,7 +24,8 @@ from enginectl.contract.engine import (
     StageResult,
     WorkerDigest,
 )
-from enginectl.server.engine import EngineInfo, RankOutcome
+from enginectl.server.engine import EngineInfo
+from enginectl.server.worker_calls import RankOutcome
 
 
 class PauseEngine(Protocol):

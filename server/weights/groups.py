@@ -16,7 +16,6 @@ import grpc
 import structlog
 
 from enginectl.contract.engine import Backend, Cause, GroupJoined, GroupSpec, RankFailure
-from enginectl.server.engine import RankOutcome
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.limits import (
     DEFAULT_GROUP_TIMEOUT_S,
@@ -28,6 +27,7 @@ from enginectl.server.limits import (
 from enginectl.server.weights.convert import parse_timeout
 from enginectl.server.weights.engine_protocols import GroupEngine
 from enginectl.server.weights.ipc import ipc_available
+from enginectl.server.worker_calls import RankOutcome
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 log = structlog.get_logger("enginectl.groups")

@@ -27,7 +27,8 @@ from enginectl.contract.engine import (
     RankGenerationState,
     WorkerDigest,
 )
-from enginectl.server.engine import EngineInfo, RankOutcome
+from enginectl.server.engine import EngineInfo
+from enginectl.server.worker_calls import RankOutcome
 
 
 @dataclass

@@ -16,7 +16,6 @@ from support.engine_double import EngineDouble, LoadScript
 
 from enginectl.common.vocabulary import WeightSource
 from enginectl.contract.engine import Cause, RankFailure, RankIdentity
-from enginectl.server.engine import RankOutcome
 from enginectl.server.errors import ControlPlaneError
 from enginectl.server.fpm.identity import IdentitySync
 from enginectl.server.metrics import ControlPlaneMetrics
@@ -25,6 +24,7 @@ from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.server.weights.operations import OperationStore, UpdateOperation
 from enginectl.server.weights.plans import UpdatePlan
 from enginectl.server.weights.updates import WeightUpdates
+from enginectl.server.worker_calls import RankOutcome
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 
 WAIT_S = 10.0
