@@ -98,6 +98,11 @@ class Reason:
     UNAUTHENTICATED = "UNAUTHENTICATED"
     NOT_IMPLEMENTED = "NOT_IMPLEMENTED"
     SHUTTING_DOWN = "SHUTTING_DOWN"
+    # HTTP RL routes (docs/http_routes.md)
+    ROUTE_REFUSED = "ROUTE_REFUSED"  # a vLLM dev route that would go around enginectl
+    LOAD_FORMAT_UNSUPPORTED = "LOAD_FORMAT_UNSUPPORTED"  # SGLang's load_format: safetensors only
+    FLUSH_FAILED = "FLUSH_FAILED"  # vLLM's FlushCache answered success=false
+    NOT_SERVING = "NOT_SERVING"  # a liveness probe while gRPC health is NOT_SERVING
 
 
 @dataclass(frozen=True)

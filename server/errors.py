@@ -17,7 +17,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from enginectl.common.vocabulary import DOMAIN, FieldViolation, Reason
 from enginectl.server.limits import MAX_ERROR_MESSAGE_BYTES, MAX_ERROR_METADATA_VALUE_BYTES, MAX_ERROR_STATUS_BYTES
 
-__all__ = ["ControlPlaneError", "Reason", "FieldViolation", "to_status", "invalid_field", "out_of_range"]
+__all__ = ["ControlPlaneError", "CallAborted", "Reason", "FieldViolation", "to_status", "invalid_field", "out_of_range"]
 
 
 class ControlPlaneError(Exception):
@@ -43,6 +43,15 @@ class ControlPlaneError(Exception):
 
     def __repr__(self) -> str:
         return f"ControlPlaneError({self.code.name}, {self.reason}, {self.message!r})"
+
+
+class CallAborted(Exception):
+    """A call made inside the process (server/local_endpoint.py) ended with `status`, the
+    google.rpc.Status a gRPC client would have received."""
+
+    def __init__(self, status: status_pb2.Status) -> None:
+        super().__init__(status.message)
+        self.status = status
 
 
 def invalid_field(reason: str, field: str, description: str) -> ControlPlaneError:

@@ -10,7 +10,7 @@ in dependency order, by server/wiring.py (tests build it with only a ledger: no 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
@@ -33,6 +33,7 @@ from enginectl.server.health import SERVICE_NAME as HEALTH_SERVICE
 from enginectl.server.health import ServingHealth
 from enginectl.server.interceptors import BearerToken, RpcInterceptor
 from enginectl.server.limits import MAX_MESSAGE_BYTES
+from enginectl.server.local_endpoint import LocalEndpoint
 from enginectl.server.prompt_calls import PromptCalls
 from enginectl.server.reflection import enable_reflection
 from enginectl.server.weights.ledger import WeightVersionLedger
@@ -193,7 +194,10 @@ class ControlPlaneServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ],
         )
-        server = self._server
+        # Every servicer is registered through the local endpoint, which hands it on to the
+        # server: the HTTP routes call the same handlers in process (server/local_endpoint.py).
+        self.local = LocalEndpoint(self._server, self._interceptor)
+        server: Any = self.local
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         weight_version_service_pb2_grpc.add_WeightVersionServiceServicer_to_server(
             WeightVersionServicer(ledger, updates), server
@@ -205,7 +209,8 @@ class ControlPlaneServer:
         fpm_stream.add_to_server(ForwardPassMetricsServicer(self.fpm_relay), server)
         operations_pb2_grpc.add_OperationsServicer_to_server(OperationsServicer(self.operations), server)
         if rollouts is not None:
-            rollouts.add_to_server(server, ledger, self.health.unhealthy)
+            state = self.updates.generation_state if self.updates is not None else None
+            rollouts.add_to_server(server, ledger, self.health.unhealthy, state)
         enable_reflection((*self.service_names, HEALTH_SERVICE), server)
 
     def _server_info(self, engine: EngineInfo | None, auth: bool) -> weight_update_service_pb2.GetServerInfoResponse:

@@ -22,7 +22,7 @@ import contextvars
 import importlib.util
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from enginectl.server.weights.ledger import WeightVersionLedger
+    from enginectl.weights.v1 import weight_update_service_pb2
+
+    GenerationStateReader = Callable[[], Awaitable[weight_update_service_pb2.GenerationState]]
 
 
 SERVICE = "vllm.grpc.engine.VllmEngine"
@@ -146,11 +149,15 @@ class RolloutRelay:
         engine_loop: asyncio.AbstractEventLoop,
         ledger: WeightVersionLedger,
         unhealthy: Callable[[], str],
+        generation_state: GenerationStateReader | None = None,
+        started: float | None = None,
     ) -> None:
         self._servicer = servicer
         self._engine_loop = engine_loop
         self._ledger = ledger
         self._unhealthy = unhealthy  # why gRPC health is NOT_SERVING ("" while SERVING)
+        self._generation_state = generation_state  # enginectl's pause state and request counts
+        self._started = time.time() if started is None else started
 
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """vLLM's health check, unhealthy whenever the control plane's gRPC health is
@@ -190,7 +197,16 @@ class RolloutRelay:
         return await self._unary("GetModelInfo", request, context)
 
     async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary("GetServerInfo", request, context)
+        """vLLM's answer, with what a gateway reads of it filled from enginectl's state:
+        `is_paused` (paused on any rank, by a caller or an update), `active_requests` (running
+        and waiting on every rank) and `uptime_seconds`."""
+        answer = await self._unary("GetServerInfo", request, context)
+        answer.uptime_seconds = max(0.0, time.time() - self._started)
+        if self._generation_state is not None:
+            state = await self._generation_state()
+            answer.is_paused = state.paused
+            answer.active_requests = state.num_running_requests + state.num_waiting_requests
+        return answer
 
     async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await self._unary("GetLoads", request, context)
@@ -285,7 +301,8 @@ class RolloutService:
         from smg_grpc_servicer.vllm import VllmEngineServicer
 
         self.descriptor = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"]
-        self._servicer = VllmEngineServicer(_Recorder(llm), time.time())
+        self._started = time.time()
+        self._servicer = VllmEngineServicer(_Recorder(llm), self._started)
         # Its per-request INFO line only with vLLM's --enable-log-requests, like vLLM's HTTP API.
         logging.getLogger("smg_grpc_servicer").setLevel(logging.INFO if log_requests else logging.WARNING)
         self._engine_loop = engine_loop
@@ -297,11 +314,18 @@ class RolloutService:
         """Full names ("pkg.Service/Method") of the service's RPCs that the relay serves."""
         return [f"{SERVICE}/{method.name}" for method in self.descriptor.methods if hasattr(RolloutRelay, method.name)]
 
-    def add_to_server(self, server: grpc.aio.Server, ledger: WeightVersionLedger, unhealthy: Callable[[], str]) -> None:
+    def add_to_server(
+        self,
+        server: grpc.aio.Server,
+        ledger: WeightVersionLedger,
+        unhealthy: Callable[[], str],
+        generation_state: GenerationStateReader | None = None,
+    ) -> None:
         """Serve VllmEngine on `server`; `unhealthy()` says why the control plane is
-        NOT_SERVING ("" while SERVING), which HealthCheck reports as unhealthy."""
+        NOT_SERVING ("" while SERVING), which HealthCheck reports as unhealthy, and
+        `generation_state()` what GetServerInfo reports of pauses and requests."""
         from smg_grpc_proto import vllm_engine_pb2_grpc
 
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-            RolloutRelay(self._servicer, self._engine_loop, ledger, unhealthy), server
+            RolloutRelay(self._servicer, self._engine_loop, ledger, unhealthy, generation_state, self._started), server
         )
