@@ -85,6 +85,15 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class GatewayConfig:
+    """The SMG gateway this server registers with (--gateway, --gateway-token-file, ...)."""
+
+    url: str  # SMG's HTTP address, e.g. http://10.0.0.5:30000
+    token: str | None  # sent as `Authorization: Bearer` on /workers calls (SMG's control-plane key)
+    advertise_host: str  # the host in the grpc:// and http:// URLs SMG is given
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """What enginectl's flags of one start say, checked."""
 
@@ -94,3 +103,4 @@ class ServeConfig:
     updates: UpdateConfig
     rollouts: RolloutConfig
     log_json: bool
+    gateway: GatewayConfig | None = None  # None: no --gateway

@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from enginectl.common.gateway import advertise_host
 from enginectl.server.config import (
     FpmRelayConfig,
+    GatewayConfig,
     GrpcConfig,
     IdentityConfig,
     RolloutConfig,
@@ -120,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_identity_args(group)
     _add_weight_update_args(group)
     _add_rollout_args(group)
+    _add_gateway_args(group)
     return parser
 
 
@@ -228,6 +231,51 @@ def _add_rollout_args(group: argparse._ArgumentGroup) -> None:
     )
 
 
+def _add_gateway_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--gateway",
+        metavar="URL",
+        default=None,
+        help="Register with the SMG gateway at URL (e.g. http://10.0.0.5:30000; SMG runs with --enable-igw "
+        "--enable-rl), keep its weight_version label current and deregister on shutdown. Serving never waits "
+        "for the gateway: a down one is retried.",
+    )
+    group.add_argument(
+        "--gateway-token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="File holding the bearer token of SMG's control plane (its --control-plane-api-keys or --api-key), "
+        "for registering and updating the worker.",
+    )
+    group.add_argument(
+        "--gateway-advertise-host",
+        metavar="HOST",
+        default=None,
+        help="The host SMG is told to reach this server on (grpc://HOST:GRPC_PORT, http://HOST:HTTP_PORT). "
+        "Default: --grpc-host, or this machine's address when that is a wildcard.",
+    )
+
+
+def _gateway_config(args: argparse.Namespace) -> GatewayConfig | None:
+    if args.gateway is None:
+        if args.gateway_token_file is not None or args.gateway_advertise_host is not None:
+            raise SystemExit("enginectl serve: --gateway-token-file and --gateway-advertise-host need --gateway")
+        return None
+    if not args.gateway.startswith(("http://", "https://")):
+        raise SystemExit(f"enginectl serve: --gateway must be an http:// or https:// URL, got {args.gateway!r}")
+    token = None
+    if args.gateway_token_file is not None:
+        try:
+            token = args.gateway_token_file.read_text().strip()
+        except OSError as exc:
+            raise SystemExit(f"enginectl serve: --gateway-token-file: {exc}") from None
+        if not token:
+            raise SystemExit(f"enginectl serve: {args.gateway_token_file} is empty")
+    host = args.gateway_advertise_host or advertise_host(args.grpc_host)
+    return GatewayConfig(url=args.gateway, token=token, advertise_host=host)
+
+
 def take_config(args: argparse.Namespace) -> ServeConfig:
     """Check enginectl's flags (SystemExit with the reason when one is wrong), read the token
     and TLS files, and take enginectl's flags off `args`: vLLM's --grpc-port is enginectl's
@@ -261,6 +309,7 @@ def take_config(args: argparse.Namespace) -> ServeConfig:
             log_requests=bool(getattr(args, "enable_log_requests", False)),
         ),
         log_json=bool(args.log_json),
+        gateway=_gateway_config(args),
     )
 
 

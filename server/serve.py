@@ -37,12 +37,13 @@ from enginectl.server.flags import (
     parse_args,
     take_config,
 )
-from enginectl.server.wiring import StartupError, before_engine, rollout_service, start_control_plane
+from enginectl.server.wiring import StartupError, before_engine, rollout_service, start_control_plane, start_gateway
 
 if TYPE_CHECKING:
     import uvicorn
 
     from enginectl.server.engine import EngineAdapter
+    from enginectl.server.gateway import GatewayRegistration
     from enginectl.server.grpc_server import ControlPlaneServer
 
 log = structlog.get_logger("enginectl.serve")
@@ -214,6 +215,7 @@ async def serve(args: argparse.Namespace, config: ServeConfig) -> int:
         await before.identity.wait_until_identified(
             http, grpc_host=grpc.host, grpc_port=bound, http_host=args.host, http_port=http_port, pid=os.getpid()
         )
+        gateway: GatewayRegistration | None = None
         if not stop.is_set() and not http.done():
             await control.run(started.set_serving(True))
             log.info(
@@ -232,6 +234,9 @@ async def serve(args: argparse.Namespace, config: ServeConfig) -> int:
                 worker_id=config.identity.worker_id,
                 await_worker_id=config.identity.await_worker_id,
             )
+            gateway = await control.run(
+                start_gateway(config.gateway, started.ledger, token=grpc.token, grpc_port=bound, http_port=http_port)
+            )
 
         stopping = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({stopping, http}, return_when=asyncio.FIRST_COMPLETED)
@@ -242,6 +247,8 @@ async def serve(args: argparse.Namespace, config: ServeConfig) -> int:
             exit_code = 1
         stopping.cancel()
         log.info("shutting down")
+        if gateway is not None:  # first: SMG stops routing here while the engine still answers
+            await control.run(gateway.stop())
         await control.run(started.stop(STOP_GRACE_S))
         if not http.done():
             app.state.server.should_exit = True

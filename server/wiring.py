@@ -1,7 +1,7 @@
 """The control plane's objects of one `enginectl serve`, each built once, in dependency order.
 
 Runs in the `enginectl serve` process. Every collaborator and callback is handed to the
-constructor that needs it; nothing is reached into afterwards. Three steps, as serve.py runs
+constructor that needs it; nothing is reached into afterwards. Four steps, as serve.py runs
 them (server/flags.py has already turned the flags into a ServeConfig, server/config.py):
 
 - `before_engine`, on the main loop before the engine starts: the server's incarnation, the
@@ -11,7 +11,9 @@ them (server/flags.py has already turned the flags into a ServeConfig, server/co
 - `rollout_service`, on the main loop once the engine is up: vLLM's gRPC engine service over
   it, unless turned off or not installed;
 - `start_control_plane`, on the control loop: fingerprints, ledger, operations, metrics,
-  health, weight updates, relay, identity sync, then the gRPC server, bound and started.
+  health, weight updates, relay, identity sync, then the gRPC server, bound and started;
+- `start_gateway`, on the control loop once serving: with --gateway, the registration with
+  the SMG gateway, which then follows the ledger in the background.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+import enginectl
+from enginectl.common.gateway import SmgWorkers
 from enginectl.contract.engine import UNDECLARED_LABEL, EngineConfig
-from enginectl.server.config import RolloutConfig, ServeConfig
+from enginectl.server.config import GatewayConfig, RolloutConfig, ServeConfig
 from enginectl.server.fpm.identity import IdentitySync
 from enginectl.server.fpm.identity_gate import IdentityGate
 from enginectl.server.fpm.relay_zmq import FpmRelayHost
+from enginectl.server.gateway import GatewayRegistration
 from enginectl.server.grpc_server import ControlPlaneServer, service_names
 from enginectl.server.health import ServingHealth
 from enginectl.server.metrics import ControlPlaneMetrics, register_fpm_metrics
@@ -164,3 +169,25 @@ async def start_control_plane(
     if bound == 0:
         raise StartupError(f"could not bind gRPC to {host}:{port}")
     return plane, bound
+
+
+async def start_gateway(
+    config: GatewayConfig | None, ledger: WeightVersionLedger, *, token: str | None, grpc_port: int, http_port: int
+) -> GatewayRegistration | None:
+    """With --gateway, register with SMG in the background and follow `ledger`; on the control
+    loop, which then owns the registration (serve.py stops it before the control plane).
+    `token` is the server's own (SMG's `api_key` for this worker)."""
+    if config is None:
+        return None
+    registration = GatewayRegistration(
+        SmgWorkers(config.url, config.token),
+        ledger,
+        host=config.advertise_host,
+        grpc_port=grpc_port,
+        http_port=http_port,
+        token=token,
+        enginectl_version=enginectl.__version__,
+    )
+    registration.start()
+    log.info("gateway_registering", gateway=config.url, url=registration.url)
+    return registration
