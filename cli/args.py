@@ -14,6 +14,7 @@ import os
 import enginectl
 from enginectl.cli.exit_codes import EPILOG
 from enginectl.cli.fleet import add_commands as add_fleet_commands
+from enginectl.cli.gateway import add_commands as add_gateway_commands
 from enginectl.client.client import DEFAULT_TARGET, DEFAULT_TIMEOUT_S
 
 DESCRIPTION = """Talk to a running `enginectl serve` (a vLLM engine's gRPC control plane).
@@ -295,6 +296,7 @@ def parser() -> argparse.ArgumentParser:
     _identity_commands(sub)
     _fpm_commands(sub)
     add_fleet_commands(sub, _group, _leaf)
+    add_gateway_commands(sub, _group, _leaf)
     serve = sub.add_parser(
         "serve", help="run a server (not a client command): `enginectl serve --help`", add_help=False
     )

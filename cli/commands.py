@@ -3,7 +3,7 @@
 The `enginectl` command itself is `enginectl.cli.main`: it runs `serve` (the server extra) and
 hands every other command to `main` here, which never imports the server. The command line
 is args.py, what is printed output.py and views.py, exit codes and error reports
-exit_codes.py, the fleet commands fleet.py, the metrics commands watch.py and top.py;
+exit_codes.py, the fleet commands fleet.py, the gateway commands gateway.py, the metrics commands watch.py and top.py;
 docs/cli.md is the manual.
 """
 
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from enginectl.cli import fleet
+from enginectl.cli import fleet, gateway
 from enginectl.cli.args import parser
 from enginectl.cli.exit_codes import ExitCode, exit_code, report
 from enginectl.cli.output import Output, human_bytes
@@ -225,6 +225,16 @@ class Commands:
 
     def fleet_verify(self) -> int:
         return fleet.verify(self.args, self.options, self.out)
+
+    # --- gateway ----------------------------------------------------------------------
+    def gateway_register(self) -> int:
+        return gateway.register(self.args, self.options, self.out)
+
+    def gateway_status(self) -> int:
+        return gateway.status(self.args, self.options, self.out)
+
+    def gateway_deregister(self) -> int:
+        return gateway.deregister(self.args, self.options, self.out)
 
     # --- fpm --------------------------------------------------------------------------
     def fpm_watch(self) -> None:
