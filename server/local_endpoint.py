@@ -85,11 +85,11 @@ class LocalEndpoint:
         self._generic.extend(handlers)
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self._server.add_registered_method_handlers(service, handlers)  # type: ignore[attr-defined]
+        self._server.add_registered_method_handlers(service, handlers)
 
     def _handler(self, details: _CallDetails) -> grpc.RpcMethodHandler | None:
         for generic in self._generic:
-            handler = generic.service(details)  # type: ignore[arg-type]
+            handler = generic.service(details)
             if handler is not None:
                 return handler
         return None
@@ -104,7 +104,7 @@ class LocalEndpoint:
         async def found(call_details: Any) -> grpc.RpcMethodHandler | None:
             return self._handler(call_details)
 
-        handler = await self._interceptor.intercept_service(found, details)  # type: ignore[arg-type]
+        handler = await self._interceptor.intercept_service(found, details)
         if handler is None or handler.unary_unary is None:
             raise CallAborted(
                 status_pb2.Status(code=grpc.StatusCode.UNIMPLEMENTED.value[0], message=f"no unary RPC {method}")

@@ -37,7 +37,15 @@ from enginectl.server.flags import (
     parse_args,
     take_config,
 )
-from enginectl.server.wiring import StartupError, before_engine, rollout_service, start_control_plane, start_gateway
+from enginectl.server.http.routes import mount
+from enginectl.server.wiring import (
+    StartupError,
+    before_engine,
+    http_routes,
+    rollout_service,
+    start_control_plane,
+    start_gateway,
+)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -185,6 +193,11 @@ async def serve(args: argparse.Namespace, config: ServeConfig) -> int:
         log_config = get_uvicorn_log_config(args)
         app = build_app(args, await client.get_supported_tasks(), client.model_config)
         await init_app_state(client, app.state, args, await client.get_supported_tasks())
+        # The RL routes (vLLM's, SGLang's, Dynamo's names) on this HTTP port, through the
+        # control plane; in place of vLLM's dev routes of the same paths (docs/http_routes.md).
+        replaced = mount(app, http_routes(config, started, control.loop))
+        if replaced:
+            log.info("vllm_dev_routes_replaced", routes=replaced)
         uvicorn_kwargs: dict[str, Any] = {"log_config": log_config} if log_config is not None else {}
         http = asyncio.create_task(
             serve_http(

@@ -168,7 +168,7 @@ class Body:
         return value
 
 
-def _pause_mode(body: Body, default: str) -> int:
+def _pause_mode(body: Body, default: str) -> upd.PauseMode.ValueType:
     name = body.string("mode", default)
     assert name is not None
     mode = PAUSE_MODES.get(name.lower())
