@@ -69,10 +69,12 @@ def stream(target: str, file: str, request_id: str, version: str, send_bytes: in
         emit({"sent": len(data)})
         sys.stdin.readline()  # released (or EOF): half-close before the last byte
 
+    token = os.environ.get("ENGINECTL_TOKEN")  # a server with a token (test_smg_gateway.py)
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     with grpc.insecure_channel(target) as channel:
         stub = pb2_grpc.WeightUpdateServiceStub(channel)
         try:
-            op = stub.UpdateWeightsFromTensors(messages(), timeout=CALL_TIMEOUT_S)
+            op = stub.UpdateWeightsFromTensors(messages(), timeout=CALL_TIMEOUT_S, metadata=metadata)
             emit({"code": "OK", "reason": "", "metadata": {}, "message": "", "operation": op.name})
         except grpc.RpcError as err:
             error = from_rpc_error(err)
