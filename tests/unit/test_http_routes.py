@@ -1,0 +1,158 @@
+"""The HTTP RL routes over an engine-free control plane, in process (no socket, no engine).
+
+The routes reach the control plane through its local endpoint (server/local_endpoint.py):
+the same interceptor as the gRPC port, so the token, the no-engine refusal and the refusal
+after engine death answer here exactly as there, as JSON with the HTTP status of the code
+(docs/http_routes.md). The end-to-end behaviour on a real engine is in
+tests/e2e/weight_updates/test_http_routes.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from enginectl.common.vocabulary import Reason
+from enginectl.server.errors import ControlPlaneError, to_status
+from enginectl.server.grpc_server import ControlPlaneServer
+from enginectl.server.http.answers import HTTP_STATUS, http_status
+from enginectl.server.http.local_calls import LocalCalls, status_error
+from enginectl.server.http.routes import REFUSED, RlRoutes, mount
+from enginectl.server.weights.ledger import WeightVersionLedger
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+async def plane() -> AsyncIterator[ControlPlaneServer]:
+    server = ControlPlaneServer(WeightVersionLedger(), token=TOKEN)
+    await server.set_serving(True)
+    yield server
+    await server.stop(0)
+
+
+@pytest.fixture
+async def http(plane: ControlPlaneServer) -> AsyncIterator[httpx.AsyncClient]:
+    app = FastAPI()
+    mount(app, RlRoutes(LocalCalls(plane.local.call, asyncio.get_running_loop())))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://routes") as client:
+        yield client
+
+
+def _auth(token: str = TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def test_a_declaration_needs_the_token_and_a_refusal_changes_nothing(
+    plane: ControlPlaneServer, http: httpx.AsyncClient
+) -> None:
+    before = plane.ledger.state
+    for headers in ({}, _auth("wrong")):
+        answer = await http.post("/update_weight_version", json={"new_version": "v1"}, headers=headers)
+        assert answer.status_code == 401 and answer.json()["error"] == Reason.UNAUTHENTICATED
+    assert plane.ledger.state == before
+
+    answer = await http.post("/update_weight_version", json={"new_version": "v1"}, headers=_auth())
+    assert answer.status_code == 200 and answer.json()["new_version"] == "v1"
+    state = plane.ledger.state
+    assert state.declared and state.version == "v1"
+
+    stale = await http.post(
+        "/engine/set_weight_version", json={"weight_version": "v2", "etag": before.etag}, headers=_auth()
+    )
+    body = stale.json()
+    assert (stale.status_code, body["error"]) == (409, Reason.ETAG_MISMATCH)
+    assert body["details"]["current_etag"] == state.etag and body["success"] is False and body["status"] == "error"
+    assert plane.ledger.state == state
+
+    read = (await http.get("/engine/get_weight_version")).json()  # reads need no token
+    assert (read["version"], read["version_declared"]) == ("v1", True)
+
+
+async def test_undeclared_is_null_never_a_placeholder(http: httpx.AsyncClient) -> None:
+    assert (await http.get("/get_weight_version")).json()["weight_version"] is None
+    assert (await http.get("/weight_info")).json()["weight_version"] is None
+    dynamo = (await http.get("/engine/get_weight_version")).json()
+    assert dynamo["version"] is None and dynamo["version_declared"] is False
+
+
+async def test_without_an_engine_the_update_routes_answer_not_implemented(
+    plane: ControlPlaneServer, http: httpx.AsyncClient
+) -> None:
+    for path, body in [("/pause", {}), ("/update_weights_from_disk", {"model_path": "/x"}), ("/is_paused", None)]:
+        answer = await (http.get(path) if body is None else http.post(path, json=body, headers=_auth()))
+        assert (answer.status_code, answer.json()["error"]) == (501, Reason.NOT_IMPLEMENTED), path
+
+
+async def test_after_engine_death_every_route_answers_engine_dead(
+    plane: ControlPlaneServer, http: httpx.AsyncClient
+) -> None:
+    await plane.engine_dead("EngineCore_DP0 was killed")
+    for answer in (
+        await http.get("/get_weight_version"),
+        await http.post("/update_weight_version", json={"new_version": "x"}, headers=_auth()),
+    ):
+        assert (answer.status_code, answer.json()["error"]) == (503, Reason.ENGINE_DEAD)
+        assert "killed" in answer.json()["message"]
+    probe = await http.get("/engine/liveness_probe")
+    assert probe.status_code == 503 and probe.json()["error"] == Reason.NOT_SERVING
+
+
+@pytest.mark.parametrize("path", sorted(REFUSED))
+async def test_vllm_dev_routes_are_refused_with_a_reason(http: httpx.AsyncClient, path: str) -> None:
+    answer = await http.post(path, json={}, headers=_auth())
+    assert (answer.status_code, answer.json()["error"]) == (403, Reason.ROUTE_REFUSED)
+    assert answer.json()["details"]["route"] == path
+
+
+async def test_mount_takes_the_place_of_vllms_routes_at_the_same_paths(plane: ControlPlaneServer) -> None:
+    app = FastAPI()
+
+    @app.post("/resume")
+    async def vllm_resume() -> dict[str, Any]:  # stands for vLLM's dev route of that path
+        return {"status": "resumed by vLLM"}
+
+    replaced = mount(app, RlRoutes(LocalCalls(plane.local.call, asyncio.get_running_loop())))
+    assert replaced == ["/resume"]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://routes") as client:
+        answer = await client.post("/resume", json={}, headers=_auth())
+    assert answer.json()["error"] == Reason.NOT_IMPLEMENTED  # enginectl's route answered (no engine here)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [(b"{oops", None), (b"[]", None), (b'{"new_version": 7}', "new_version"), (b'{"etag": "e"}', "new_version")],
+)
+async def test_bad_bodies_are_malformed_requests(
+    plane: ControlPlaneServer, http: httpx.AsyncClient, body: bytes, field: str | None
+) -> None:
+    before = plane.ledger.state
+    answer = await http.post("/update_weight_version", content=body, headers=_auth())
+    payload = answer.json()
+    assert (answer.status_code, payload["error"]) == (400, Reason.MALFORMED_REQUEST)
+    if field is not None:
+        assert payload["details"]["field_violations"][0]["field"] == field
+    assert plane.ledger.state == before
+
+
+def test_every_grpc_code_has_an_http_status_and_errors_keep_their_details() -> None:
+    assert http_status(grpc.StatusCode.INVALID_ARGUMENT) == 400
+    assert http_status(grpc.StatusCode.FAILED_PRECONDITION) == 412
+    assert http_status(grpc.StatusCode.DEADLINE_EXCEEDED) == 504
+    assert {http_status(code) for code in grpc.StatusCode if code not in HTTP_STATUS} == {500}
+    error = ControlPlaneError(
+        grpc.StatusCode.ABORTED, Reason.UPDATE_IN_PROGRESS, "busy", metadata={"operation": "operations/1"}
+    )
+    back = status_error(to_status(error))
+    assert (back.code, back.reason, back.message, back.metadata) == (
+        grpc.StatusCode.ABORTED,
+        Reason.UPDATE_IN_PROGRESS,
+        "busy",
+        {"operation": "operations/1"},
+    )
