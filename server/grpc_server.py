@@ -298,7 +298,13 @@ class ControlPlaneServer:
         await self.health.engine_died()
 
     async def stop(self, grace: float) -> None:
-        """Graceful stop: NOT_SERVING first, streams end with UNAVAILABLE, then the server."""
+        """Graceful stop: NOT_SERVING first, streams end with UNAVAILABLE, then the server.
+        From now on new calls, the local endpoint's too (the HTTP routes, which outlive the
+        gRPC server by a few seconds), answer UNAVAILABLE SHUTTING_DOWN."""
+        if not self._engine_dead:
+            self._interceptor.refuse(
+                ControlPlaneError(grpc.StatusCode.UNAVAILABLE, Reason.SHUTTING_DOWN, "server is shutting down")
+            )
         await self.health.stopping()
         self.ledger.close()
         self.fpm_relay.close()

@@ -156,3 +156,15 @@ def test_every_grpc_code_has_an_http_status_and_errors_keep_their_details() -> N
         "busy",
         {"operation": "operations/1"},
     )
+
+
+async def test_once_the_plane_stops_the_routes_answer_shutting_down(
+    plane: ControlPlaneServer, http: httpx.AsyncClient
+) -> None:
+    """vLLM's HTTP server outlives the gRPC server by a few seconds at shutdown: nothing may
+    change state through it then."""
+    await plane.stop(0)
+    before = plane.ledger.state
+    answer = await http.post("/update_weight_version", json={"new_version": "late"}, headers=_auth())
+    assert (answer.status_code, answer.json()["error"]) == (503, Reason.SHUTTING_DOWN)
+    assert plane.ledger.state == before
