@@ -247,3 +247,58 @@ def test_vllm_engine_server_info_reports_enginectl_pause_and_uptime(weights_serv
     finally:
         stubs.updates.ResumeGeneration(upb.ResumeGenerationRequest())
     assert engine.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest()).is_paused is False
+
+
+def test_sglang_broadcast_routes_join_receive_and_destroy_a_gloo_group(
+    weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_b: list[int]
+) -> None:
+    """SGLang's three broadcast routes, with this test as the trainer (rank 0 over gloo): each
+    route answers once its collective is done, as SGLang's do."""
+    import concurrent.futures
+
+    from enginectl.client.trainer_tensors import BroadcastGroup
+
+    url = weights_server.http_url
+    state = checkpoints.state_dict("B")
+    group = BroadcastGroup.host("http-group", "gloo", "127.0.0.1", 0, 2, 60.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        try:
+            joined = pool.submit(group.join)
+            status, body = call(
+                url,
+                "/init_weights_update_group",
+                {
+                    "group_name": "http-group",
+                    "master_address": "127.0.0.1",
+                    "master_port": group.port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "backend": "gloo",
+                },
+            )
+            assert status == 200, body
+            joined.result(timeout=60)
+            assert body["group"]["group_name"] == "http-group"
+
+            request = {
+                "group_name": "http-group",
+                "names": list(state),
+                "dtypes": ["float32"] * len(state),
+                "shapes": [list(t.shape) for t in state.values()],
+                "weight_version": "http-dist-B",
+            }
+            answered = pool.submit(call, url, "/update_weights_from_distributed", request)
+            sent = group.broadcast([t.contiguous() for t in state.values()])
+            status, body = answered.result(timeout=120)
+            assert status == 200 and sent == len(state), body
+            version = stubs.version()
+            assert version.version == "http-dist-B" and version.source == 3  # DISTRIBUTED
+            assert greedy_tokens(weights_server) == tokens_b
+        finally:
+            status, body = call(
+                url, "/destroy_weights_update_group", {"group_name": "http-group", "allow_missing": True}
+            )
+            group.close()
+    assert status == 200 and body["found"] is True
+    status, body = call(url, "/destroy_weights_update_group", {"group_name": "http-group"})
+    assert (status, body["error"]) == (404, "GROUP_NOT_FOUND")
