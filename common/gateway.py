@@ -5,7 +5,7 @@ Stdlib only: imported by the `enginectl serve` process (server/gateway.py, on th
 loop, through `asyncio.to_thread`) and by the `enginectl` command (cli/gateway.py), so both
 build one registration. Every SmgWorkers method blocks on its HTTP calls, each within the timeout.
 
-SMG's side, as measured against smg 1.13.0 (/work/shared/DESIGN.md section 11): POST /workers
+SMG's side, as measured against smg 1.13.0 (docs/rollouts.md, "Behind the SMG gateway"): POST /workers
 queues a registration (202, `worker_id`; 409 WORKER_ALREADY_EXISTS for a URL it holds);
 PATCH /workers/{id} merges labels; DELETE /workers/{id} removes; GET /workers lists the
 workers it holds, with their labels. A label value is a string; SMG reads a worker's
@@ -43,7 +43,7 @@ OWN_LABELS = (
     UNREPRESENTABLE_LABEL,
 )
 
-RL_ROUTES = "vllm,sglang,dynamo"  # DESIGN.md section 11, "HTTP RL routes"
+RL_ROUTES = "vllm,sglang,dynamo"  # docs/http_routes.md, "Route names"
 SMG_MAX_VERSION_BYTES = 128
 SMG_UNVERSIONED = "default"  # what SMG stamps for a worker with no version: never sent as one
 CLEARED = ""  # the label value of "no version": SMG stamps `system_fingerprint: ""`

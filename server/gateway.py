@@ -3,7 +3,7 @@
 Runs in the `enginectl serve` process, on the control loop; every HTTP call to SMG (blocking,
 common/gateway.py) goes through `asyncio.to_thread`, so the loop never waits on the gateway.
 
-What it does (/work/shared/DESIGN.md section 11, "The gateway learns the truth"):
+What it does (docs/rollouts.md, "Behind the SMG gateway"):
 - `start()` registers in the background: serving never waits for the gateway, and a down or
   refusing gateway is retried with capped exponential backoff, each failed attempt logged.
 - It follows the ledger's watch and PATCHes `weight_version` within about a second of every

@@ -7,7 +7,7 @@ servicers, ledger and update state machine a gRPC client reaches), JSON out. Not
 keeps state or touches weights. docs/http_routes.md is the manual: every route, its body, its
 answer and where a name means something else elsewhere.
 
-Families (DESIGN of the project: docs/http_routes.md, "Route names"):
+Families (docs/http_routes.md, "Route names"):
 - vLLM's RL router: /pause?mode=, /resume, /is_paused, /update_weight_version, /weight_info,
   /get_world_size.
 - SGLang's (also what SMG's `smg.rl` sends): /pause_generation, /continue_generation,

@@ -22,7 +22,7 @@ from support.smg import SmgGateway
 from enginectl.client import Client
 
 ENGINECTL = str(BIN / "enginectl")
-LABEL_LAG_S = 2.0  # DESIGN.md section 11: the label follows a declaration within about a second
+LABEL_LAG_S = 2.0  # docs/rollouts.md, "Behind the SMG gateway": the label follows a declaration within about a second
 
 
 @pytest.fixture(scope="module")

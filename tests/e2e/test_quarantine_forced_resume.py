@@ -1,6 +1,6 @@
 """A forced resume lets generation run over mixed weights, but never reports SERVING.
 
-DESIGN §9: no engine is SERVING while undeclared after a partial failure. A partial update
+docs/operations.md, "Quarantine": no engine is SERVING while undeclared after a partial failure. A partial update
 (a tensor stream cancelled after tensors were written) quarantines the server: gRPC health
 NOT_SERVING and vLLM's VllmEngine/HealthCheck unhealthy (the only check the SMG gateway makes).
 `ResumeGeneration(force=true)` is the operator's choice to generate anyway: completions come

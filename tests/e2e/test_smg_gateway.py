@@ -2,8 +2,8 @@
 
 The servers register themselves (`--gateway`), hold a token (SMG passes each worker's
 `api_key` on as `Authorization: Bearer`) and run with VLLM_SERVER_DEV_MODE=1, so vLLM's own
-dev routes exist and enginectl's must answer in their place. Shown here (DESIGN §11,
-docs/rollouts.md "Behind the SMG gateway"):
+dev routes exist and enginectl's must answer in their place. Shown here
+(docs/rollouts.md, "Behind the SMG gateway"):
 
 - `smg.rl.paused()` + `update_weights_from_disk` fanned out through SMG updates both servers:
   both record the version (source DISK), their tokens change, and /v1/rl/workers shows the
