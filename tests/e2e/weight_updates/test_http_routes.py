@@ -302,3 +302,43 @@ def test_sglang_broadcast_routes_join_receive_and_destroy_a_gloo_group(
     assert status == 200 and body["found"] is True
     status, body = call(url, "/destroy_weights_update_group", {"group_name": "http-group"})
     assert (status, body["error"]) == (404, "GROUP_NOT_FOUND")
+
+
+@pytest.mark.parametrize("abort_all", [False, True])
+def test_update_weight_version_never_aborts_unless_asked_as_sglang_does(
+    weights_server: ServeProcess, stubs: Stubs, abort_all: bool
+) -> None:
+    """A request held by a KEEP pause: a declaration leaves it be; `abort_all_requests: true`
+    (SGLang's default meaning, asked for) aborts it, and the caller's pause still holds."""
+    import concurrent.futures
+    import json
+    import time
+    import urllib.request
+
+    stubs.updates.PauseGeneration(upb.PauseGenerationRequest(mode=upb.PAUSE_MODE_KEEP))
+    body = {"model": weights_server.served_model, "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+    request = urllib.request.Request(
+        f"{weights_server.http_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+
+    def complete() -> str:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return str(json.load(response)["choices"][0]["finish_reason"])
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        finished = pool.submit(complete)
+        deadline = time.monotonic() + 60
+        while stubs.state().num_waiting_requests + stubs.state().num_running_requests < 1:
+            assert time.monotonic() < deadline, "the completion never reached the engine"
+        answer = {"new_version": f"declared-{abort_all}", **({"abort_all_requests": True} if abort_all else {})}
+        status, reply = call(weights_server.http_url, "/update_weight_version", answer)
+        assert status == 200 and stubs.version().version == f"declared-{abort_all}", reply
+        assert stubs.state().paused  # the caller's pause holds either way
+        if abort_all:
+            assert finished.result(timeout=60) == "abort"
+        else:
+            assert not finished.done()
+            stubs.updates.ResumeGeneration(upb.ResumeGenerationRequest())
+            assert finished.result(timeout=60) == "length"
