@@ -21,6 +21,8 @@ from pathlib import Path
 from bench.fleet import phase as fleet
 from bench.fpm import phase as fpm
 from bench.fpm import publish as fpm_publish
+from bench.gateway import phase as gateway
+from bench.gateway.smg_process import SmgProcess
 from bench.lib.harness import ServeProcess
 from bench.lib.procs import (
     HTTP_STARTUP_LINE,
@@ -38,7 +40,7 @@ from bench.run_report import TARGETS, figures, markdown
 from bench.weights import phase as weights
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PHASES = ("latency", "rollouts", "throughput", "grpc_rollouts", "fpm", "fpm_publish", "weights", "fleet")
+PHASES = ("latency", "rollouts", "throughput", "grpc_rollouts", "gateway", "fpm", "fpm_publish", "weights", "fleet")
 DIAGNOSTIC_VARIANTS = ("bare-uvloop", "intercepted-nolog", "intercepted", "controlplane")
 
 
@@ -247,14 +249,20 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     want_variants = not args.no_diagnostics and any(p in phases for p in ("latency", "throughput"))
+    # The gateway phase measures the shared server behind SMG, registered as a user's is
+    # (`--gateway`); SMG then health-checks it once a second, through every phase.
+    smg = SmgProcess() if "gateway" in phases else None
     servers: dict[str, ServeProcess] = {
         "bare": baseline_server("bare"),
         **({v: baseline_server(v) for v in DIAGNOSTIC_VARIANTS} if want_variants else {}),
-        "enginectl": enginectl_server(),
+        "enginectl": enginectl_server(["--gateway", smg.url] if smg else []),
     }
     stops: list[dict] = []
     t0 = time.monotonic()
     try:
+        if smg:
+            log("starting smg (the gateway phase)")
+            smg.start()
         log(f"starting servers: {', '.join(servers)}")
         eng = servers["enginectl"]
         startup_line = eng.watch(HTTP_STARTUP_LINE)
@@ -311,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                 "generate": rollouts_grpc.phase(eng, streams, tokens, args.quick),
                 "p99": phase_rollouts(ordered, http_targets, cfg, via="grpc"),
             }
+        if "gateway" in phases and smg:  # the same server behind SMG
+            results["gateway"] = gateway.phase(eng, smg, cfg.rollout_streams, cfg.rollout_tokens, args.quick)
         if "fpm" in phases:
             results["fpm_latency"] = fpm.phase_latency(eng, args.quick)
             results["fpm_fanin"] = fpm.phase_fanin(eng, args.quick, servers["bare"])
@@ -324,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for name in reversed(list(servers)):
             stops.append(servers[name].stop())
+        if smg:  # after the server, which deregisters from it on SIGTERM
+            stops.append(smg.stop())
     results["stops"] = stops
     results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     results["elapsed_s"] = round(time.monotonic() - t0, 1)

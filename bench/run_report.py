@@ -7,6 +7,7 @@ from __future__ import annotations
 from bench.fleet import phase as fleet
 from bench.fpm import phase as fpm
 from bench.fpm import publish as fpm_publish
+from bench.gateway import phase as gateway
 from bench.lib.stats import ratio
 from bench.rollouts import phase as rollouts_grpc
 from bench.weights import phase as weights
@@ -116,6 +117,7 @@ def figures(results: dict) -> list[dict]:
             )
         )
         out.append(_p99_figure(gr["p99"], "gRPC Generate rollout streams"))
+    out += gateway.figures(results)
     out += fpm.figures(results)
     out += fpm_publish.figures(results)
     out += weights.figures(results)
@@ -219,6 +221,7 @@ def markdown(results: dict) -> str:
     if results.get("grpc_rollouts"):
         lines += rollouts_grpc.markdown(results)
         lines += _p99_table(results["grpc_rollouts"]["p99"], "gRPC Generate rollouts")
+    lines += gateway.markdown(results)
     lines += fpm.markdown(results)
     lines += fpm_publish.markdown(results)
     lines += weights.markdown(results)

@@ -11,8 +11,10 @@ bounded in count and in time.
   aiohttp for HTTP), running for a window that starts when the parent writes `go`.
 - rollouts: S concurrent streaming requests of a fixed token count, looping until the parent
   writes `stop` (or the time bound): /v1/completions on vLLM's HTTP API (`--via http`, the
-  default) or Generate of vLLM's gRPC engine service on the control port (`--via grpc`). Each
-  records tokens/s over the load window and every request's time to first token.
+  default; `--usage` counts tokens by the stream's usage, for a server such as the SMG
+  gateway that merges tokens into one event) or Generate of vLLM's gRPC engine service on the
+  control port (`--via grpc`). Each records tokens/s over the load window and every request's
+  time to first token.
 """
 
 from __future__ import annotations
@@ -261,20 +263,24 @@ Request = Callable[[int, int], Generator[int, None, None]]
 
 
 def _http_completions(args: argparse.Namespace) -> tuple[Request, Callable[[], None]]:
-    """Streaming /v1/completions on vLLM's HTTP API, a new connection per request; one SSE
-    event is one token (vLLM streams a token per event unless its consumer lags)."""
+    """Streaming /v1/completions on vLLM's HTTP API (or any OpenAI-compatible one, e.g. the SMG
+    gateway's), a new connection per request; one SSE event is one token (vLLM streams a token
+    per event unless its consumer lags). With `--usage` the stream also ends with its usage
+    (`stream_options.include_usage`), and the tokens it counts that no event did are added
+    then: SMG merges tokens into one event until their text is whole."""
     host, _, port = args.http.rpartition(":")
-    body = json.dumps(
-        {
-            "model": args.model,
-            "prompt": args.prompt,
-            "max_tokens": args.max_tokens,
-            "min_tokens": args.max_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "stream": True,
-        }
-    )
+    request_body = {
+        "model": args.model,
+        "prompt": args.prompt,
+        "max_tokens": args.max_tokens,
+        "min_tokens": args.max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    if args.usage:
+        request_body["stream_options"] = {"include_usage": True}
+    body = json.dumps(request_body)
 
     def request(stream: int, seq: int) -> Generator[int, None, None]:
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
@@ -283,10 +289,19 @@ def _http_completions(args: argparse.Namespace) -> tuple[Request, Callable[[], N
             resp = conn.getresponse()
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+            got = 0
             while line := resp.readline():
                 if line.startswith(b"data: [DONE]"):
                     return
-                if line.startswith(b"data: "):
+                if not line.startswith(b"data: "):
+                    continue
+                if args.usage and (b'"usage":{' in line or b'"usage": {' in line):
+                    total = int(json.loads(line[6:])["usage"]["completion_tokens"])
+                    if total > got:
+                        yield total - got
+                    got = max(got, total)
+                else:
+                    got += 1
                     yield 1
             raise RuntimeError("stream ended before [DONE]")
         finally:
@@ -454,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="the served model's name (--via http)")
     p.add_argument("--grpc", help="host:port of the enginectl control port (--via grpc)")
     p.add_argument("--ttft-samples", action="store_true", help="report every time to first token too")
+    p.add_argument("--usage", action="store_true", help="count tokens by the stream's usage (--via http)")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. Once upon a time")

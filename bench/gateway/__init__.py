@@ -1,0 +1,1 @@
+"""The gateway family of the bench: figures measured behind the SMG gateway (bench/gateway/phase.py)."""
