@@ -5,7 +5,9 @@
 - grpcurl_walkthrough.sh on a server of this module started with `--await-worker-id` (the
   one extra engine these tests start), which the walkthrough gives its identity;
 - planner_follow.py on that server (by then identified) and the session's `server` (which
-  has no worker id, so its samples are unattributed).
+  has no worker id, so its samples are unattributed);
+- smg_rl_step.py on its own: it starts a real smg and two servers registered with it, and
+  stops and reaps them (about 80 s here, most of it the two engine starts).
 
 Tests run in file order: the walkthrough must find the awaiting server still without an
 identity. Every subprocess is bounded by a timeout; assertions read the example's output and
@@ -123,3 +125,19 @@ def test_planner_follow_reports_verdicts_for_two_servers(
         assert f"{awaiting} rank 0: worker {WORKER_ID} (generation " in final, out
         assert f"{server.grpc_target} rank 0: unattributed (worker id " in final, out
     assert "missing ['absent-worker']" in final, out
+
+
+def test_smg_rl_step_pauses_loads_and_declares_on_both_servers_through_the_gateway(serve_env: dict[str, str]) -> None:
+    version = "smg-step-1"
+    out = run_example([sys.executable, str(EXAMPLES / "smg_rl_step.py"), "--version", version], serve_env)
+    assert re.findall(r"^paused (\d+) of (\d+) worker", out, re.M) == [("2", "2")], out
+    # smg.rl's fanout reached each server's HTTP RL routes, which loaded and declared.
+    loaded = re.findall(
+        rf"^update_weights_from_disk on \S+ \((grpc://\S+)\): HTTP 200, weights updated to {version},", out, re.M
+    )
+    assert len(set(loaded)) == 2, out
+    # Each server moved SMG's label itself; SMG stamped it on every completion it routed.
+    assert re.findall(r"system_fingerprint=(\S+) ", out) == [version] * 4, out
+    rows = re.findall(rf"^  \S+ (grpc://\S+) health=ready weight_version={version} ", out, re.M)
+    assert sorted(rows) == sorted(set(loaded)), out
+    assert f"every one stamped {version}" in out, out
