@@ -6,7 +6,7 @@ servers read), with enginectl's client, SMG's `smg.rl` client (`pip install smg`
 By default it starts everything itself and stops and reaps it at the end: `smg launch` (the
 RL plane on) and two `enginectl serve` on the embedded tiny model, each registering itself
 with SMG (`--gateway`), which keeps SMG's `weight_version` label current
-(/work/shared/DESIGN.md section 11; docs/operations.md):
+(docs/rollouts.md, "Behind the SMG gateway"):
 
     .venv/bin/python examples/smg_rl_step.py
 

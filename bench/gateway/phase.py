@@ -1,5 +1,5 @@
 """Behind the SMG gateway (bench/README.md, figure 9; phase `gateway`;
-/work/shared/DESIGN.md section 11): rollouts through SMG, the HTTP RL routes' pause + resume,
+docs/rollouts.md, "Behind the SMG gateway"): rollouts through SMG, the HTTP RL routes' pause + resume,
 and how long SMG takes to show a declared version.
 
 Runs in the `python -m bench` process, which only orchestrates. bench/run.py starts SMG

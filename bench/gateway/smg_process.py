@@ -2,7 +2,7 @@
 
 Runs in the `python -m bench` process. The bench imports nothing from tests/ (bench/lib/harness.py
 is the one module shared, imported by the tests), so this is the bench's own few lines of
-tests/support/smg.py: the same command (/work/shared/DESIGN.md section 11), readiness on
+tests/support/smg.py: the same command (docs/rollouts.md, "Behind the SMG gateway"), readiness on
 `GET /health` answering 200, the log in a file for error reports, SIGTERM then SIGKILL, reaped.
 """
 
