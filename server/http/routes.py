@@ -120,6 +120,10 @@ class Body:
     def has(self, key: str) -> bool:
         return self._get(key) is not None
 
+    def value(self, key: str) -> Any:
+        """The value as it came (None when absent), for the caller to check."""
+        return self._get(key)
+
     def string(self, key: str, default: str | None = None, *, required: bool = False) -> str | None:
         value = self._get(key)
         if value is None:
@@ -289,6 +293,26 @@ class RlRoutes:
                     authorization=auth,
                 )
 
+    async def _update(self, method: str, message: Any, body: Body, guard: tuple[str | None, str | None]) -> Response:
+        """An update RPC with the options every update takes (etag, request_id, stage_only,
+        version, pause mode, prefix cache, timeout), answered when its Operation is done.
+        `guard`: the caller's headers (`_guard`)."""
+        auth, rid = guard
+        message.etag = body.string("etag", "") or ""
+        message.request_id = body.string("request_id", "") or ""
+        message.stage_only = body.flag("stage_only")
+        _update_options(body, message)
+        within = _timeout(body, "timeout", message)
+        answer = await self._calls.operation(
+            WEIGHT_UPDATE + method,
+            message,
+            upd.UpdateWeightsResponse,
+            authorization=auth,
+            request_id=rid,
+            within=within,
+        )
+        return _updated(answer)
+
     # -- vLLM's names ---------------------------------------------------------------------
 
     async def pause(self, request: Request) -> Response:
@@ -351,27 +375,12 @@ class RlRoutes:
         """SGLang `POST /update_weights_from_disk {model_path, weight_version, ...}`: answered
         when the update is done (bounded by its `timeout`)."""
         body = await Body.read(request)
-        auth, rid = self._guard(request)
+        guard = self._guard(request)
         load_format = body.string("load_format")
         if load_format not in LOAD_FORMATS:
             raise _bad("load_format", "only safetensors weights are loaded", Reason.LOAD_FORMAT_UNSUPPORTED)
-        message = upd.UpdateWeightsFromDiskRequest(
-            path=body.string("model_path", required=True) or "",
-            etag=body.string("etag", "") or "",
-            request_id=body.string("request_id", "") or "",
-            stage_only=body.flag("stage_only"),
-        )
-        _update_options(body, message)
-        within = _timeout(body, "timeout", message)
-        answer = await self._calls.operation(
-            WEIGHT_UPDATE + "UpdateWeightsFromDisk",
-            message,
-            upd.UpdateWeightsResponse,
-            authorization=auth,
-            request_id=rid,
-            within=within,
-        )
-        return _updated(answer)
+        message = upd.UpdateWeightsFromDiskRequest(path=body.string("model_path", required=True) or "")
+        return await self._update("UpdateWeightsFromDisk", message, body, guard)
 
     async def init_weights_update_group(self, request: Request) -> Response:
         """SGLang `POST /init_weights_update_group {master_address, master_port, rank_offset,
@@ -407,17 +416,12 @@ class RlRoutes:
         weight_version, flush_cache, ...}`: answered when every tensor was received and loaded
         (the trainer broadcasts meanwhile)."""
         body = await Body.read(request)
-        auth, rid = self._guard(request)
+        guard = self._guard(request)
         names, dtypes = body.strings("names"), body.strings("dtypes")
-        shapes = body._get("shapes")
+        shapes = body.value("shapes")
         if not isinstance(shapes, list) or len(shapes) != len(names) or len(dtypes) != len(names):
             raise _bad("shapes", "names, dtypes and shapes must be lists of one length", Reason.TENSOR_SPEC_INVALID)
-        message = upd.UpdateWeightsFromDistributedRequest(
-            group_name=body.string("group_name", required=True) or "",
-            etag=body.string("etag", "") or "",
-            request_id=body.string("request_id", "") or "",
-            stage_only=body.flag("stage_only"),
-        )
+        message = upd.UpdateWeightsFromDistributedRequest(group_name=body.string("group_name", required=True) or "")
         for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
             member = f"TENSOR_DTYPE_{dtype.removeprefix('torch.').upper()}"
             if member not in upd.TensorDtype.keys():
@@ -425,17 +429,7 @@ class RlRoutes:
             if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
                 raise _bad(f"shapes[{i}]", "must be a list of integers", Reason.TENSOR_SPEC_INVALID)
             message.tensors.add(name=name, dtype=upd.TensorDtype.Value(member), shape=shape)
-        _update_options(body, message)
-        within = _timeout(body, "timeout", message)
-        answer = await self._calls.operation(
-            WEIGHT_UPDATE + "UpdateWeightsFromDistributed",
-            message,
-            upd.UpdateWeightsResponse,
-            authorization=auth,
-            request_id=rid,
-            within=within,
-        )
-        return _updated(answer)
+        return await self._update("UpdateWeightsFromDistributed", message, body, guard)
 
     async def destroy_weights_update_group(self, request: Request) -> Response:
         """SGLang `POST /destroy_weights_update_group {group_name}`."""
