@@ -31,6 +31,7 @@ from bench.lib.procs import (
     enginectl_server,
     http_get_status,
     rollout_driver,
+    vllm_server,
     wait_http_ready,
 )
 from bench.lib.progress import log
@@ -40,6 +41,9 @@ from bench.run_report import TARGETS, figures, markdown
 from bench.weights import phase as weights
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# The phases whose baselines are vLLM's own HTTP routes, on a plain vLLM API server
+# (bench/lib/procs.py vllm_server): `enginectl serve` mounts enginectl's routes on those paths.
+VLLM_PHASES = ("latency", "weights")
 PHASES = ("latency", "rollouts", "throughput", "grpc_rollouts", "gateway", "fpm", "fpm_publish", "weights", "fleet")
 DIAGNOSTIC_VARIANTS = ("bare-uvloop", "intercepted-nolog", "intercepted", "controlplane")
 
@@ -257,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         **({v: baseline_server(v) for v in DIAGNOSTIC_VARIANTS} if want_variants else {}),
         "enginectl": enginectl_server(["--gateway", smg.url] if smg else []),
     }
+    vllm = vllm_server() if any(p in phases for p in VLLM_PHASES) else None
     stops: list[dict] = []
     t0 = time.monotonic()
     try:
@@ -268,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         startup_line = eng.watch(HTTP_STARTUP_LINE)
         for srv in servers.values():
             srv.start()
+        if vllm:  # started with the others, waited for after them
+            log("starting a plain vLLM API server (the HTTP baselines of figures 1 and 6)")
+            vllm.start()
         for name, srv in list(servers.items()):
             try:
                 srv.wait_ready()
@@ -291,24 +299,48 @@ def main(argv: list[str] | None = None) -> int:
                 f"({results['http_ready']['probes'] - 1} refused probe(s)); the bench waits for it."
             )
 
+        if vllm:
+            vllm.wait_ready()
+            results["vllm_server"] = {"http_port": vllm.http_port, "ready_after_s": vllm.serving["ready_after_s"]}
+            log(f"vLLM API server ready (http {vllm.http_port})")
+
+        # Rollouts and throughput list an HTTP route of the enginectl server beside their figures.
         http_targets: dict[str, str] = {}
         if http_get_status(eng.http_port, "/weight_info") == 200:
             results["http_route"] = "/weight_info"
             http_targets["http"] = f"http:127.0.0.1:{eng.http_port}/weight_info"
             http_targets["http-version"] = f"http:127.0.0.1:{eng.http_port}/version"
             results["notes"].append(
-                "vLLM's /weight_info (rl router, needs VLLM_SERVER_DEV_MODE=1) asks the engine core "
-                "process over ZMQ; /version is the cheapest route (no engine) and is shown for reference."
+                "On `enginectl serve`, /weight_info is enginectl's own HTTP route (docs/http_routes.md): "
+                "rollouts and throughput list it, and vLLM's /version (no engine), for reference."
             )
         else:
             results["http_route"] = "/version"
             http_targets["http"] = f"http:127.0.0.1:{eng.http_port}/version"
             results["notes"].append("/weight_info not reachable on vLLM's HTTP API; HTTP baseline is /version.")
 
+        # The latency figure's HTTP baseline: the plain vLLM server's own /weight_info.
+        latency_http: dict[str, str] = {}
+        if vllm and http_get_status(vllm.http_port, "/weight_info") == 200:
+            results["http_route"] = "/weight_info"
+            latency_http["http"] = f"http:127.0.0.1:{vllm.http_port}/weight_info"
+            latency_http["http-version"] = f"http:127.0.0.1:{vllm.http_port}/version"
+            results["notes"].append(
+                "The latency figure's HTTP baseline is vLLM's own /weight_info (rl router, needs "
+                "VLLM_SERVER_DEV_MODE=1; it asks the engine core process over ZMQ) on a plain vLLM API "
+                "server with the same model and flags (bench/lib/procs.py vllm_server): `enginectl serve` "
+                "mounts enginectl's route on that path (docs/http_routes.md). /version on the same server "
+                "(no engine) is shown for reference."
+            )
+        elif vllm:
+            results["http_route"] = "/version"
+            latency_http["http"] = f"http:127.0.0.1:{vllm.http_port}/version"
+            results["notes"].append("/weight_info not reachable on the vLLM API server; HTTP baseline is /version.")
+
         grpc_servers = {k: v for k, v in servers.items() if k != "enginectl"}
         ordered = {"bare": grpc_servers.pop("bare"), **grpc_servers, "enginectl": eng}
         if "latency" in phases:
-            results["latency"] = phase_latency(ordered, http_targets, cfg)
+            results["latency"] = phase_latency(ordered, latency_http, cfg)
         if "rollouts" in phases:
             results["rollouts"] = phase_rollouts(ordered, http_targets, cfg)
         if "throughput" in phases:
@@ -327,11 +359,14 @@ def main(argv: list[str] | None = None) -> int:
         if "fpm_publish" in phases:  # its own in-process engine, in a worker subprocess
             results["fpm_publish"] = fpm_publish.phase(args.quick)
         if "weights" in phases:  # its own server on a bigger synthetic model
-            results["weights"] = weights.phase(args.quick)
+            assert vllm is not None
+            results["weights"] = weights.phase(args.quick, vllm.http_port)
         if "fleet" in phases:  # its own two servers on the same synthetic model
             results["fleet"] = fleet.phase(args.quick)
         results["enginectl_log_lines"] = eng.lines_seen
     finally:
+        if vllm:
+            stops.append(vllm.stop())
         for name in reversed(list(servers)):
             stops.append(servers[name].stop())
         if smg:  # after the server, which deregisters from it on SIGTERM

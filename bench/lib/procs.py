@@ -1,8 +1,9 @@
 """Subprocesses of the benchmark: servers (bench/lib/harness.py's ServeProcess) and load generators.
 
 Runs in the `python -m bench` process. A server is ready once it prints a JSON line whose
-`event` is `serving` (enginectl's structlog line, or bench.lib.servers' own); no sleeps. `stop()`
-sends SIGTERM, waits, and checks that no descendant survived. A load generator (`Worker`)
+`event` is `serving` (enginectl's structlog line, or bench.lib.servers' own); no sleeps. The
+plain vLLM API server (`vllm_server()`) prints none: it is ready once its `/health` answers 200.
+`stop()` sends SIGTERM, waits, and checks that no descendant survived. A load generator (`Worker`)
 speaks JSON lines on its stdin and stdout.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -19,9 +21,12 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.lib.harness import ServeProcess, base_env, serve_command
+import psutil
+
+from bench.lib.harness import EXIT_TIMEOUT_S, READY_TIMEOUT_S, ServeProcess, alive, base_env, serve_command
 
 REPO = Path(__file__).resolve().parents[2]
+CHILD_GRACE_S = 10.0
 
 
 def bench_env() -> dict[str, str]:
@@ -60,6 +65,88 @@ def model_server(model: Path, extra_args: Sequence[str] = ()) -> ServeProcess:
             *extra_args,
         ]
     )
+
+
+class VllmServer(ServeProcess):
+    """A plain vLLM API server: no `serving` line, so ready once `GET /health` answers 200."""
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> ServeProcess:
+        """Poll `/health` until 200; kill the server and fail if it exits or the deadline passes."""
+        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        while True:
+            try:
+                if http_get_status(self.http_port, "/health") == 200:
+                    break
+            except OSError:  # not listening yet (refused), or reset while it starts
+                pass
+            exited = self.proc is None or self.proc.poll() is not None
+            if exited or time.monotonic() > deadline:
+                tail = self.tail()
+                self.kill()
+                why = "exited" if exited else f"timed out after {timeout:.0f}s"
+                self.fail(f"{self.name} did not become ready ({why}):\n{tail}")
+            self.exited.wait(0.25)  # a probe every quarter second; at once if it exits
+        self.serving["ready_after_s"] = round(time.monotonic() - t0, 1)
+        self.ready.set()  # from here the drain thread keeps only the tail of its output
+        self._children = self.descendants()
+        return self
+
+    def stop(self, timeout: float = EXIT_TIMEOUT_S) -> dict[str, object]:
+        """As ServeProcess.stop, but its descendants (the EngineCore, multiprocessing's resource
+        tracker) get CHILD_GRACE_S to exit after it before any left is killed and reported."""
+        if self.proc is None:
+            return super().stop(timeout)
+        self._children = list({p.pid: p for p in (*self._children, *self.descendants())}.values())
+        t0 = time.monotonic()
+        try:
+            self._sigterm(timeout)
+        except subprocess.TimeoutExpired:
+            pass  # super().stop() kills it
+        psutil.wait_procs(alive(self._children), timeout=CHILD_GRACE_S)
+        out = super().stop(timeout)
+        out["stop_s"] = round(time.monotonic() - t0, 2)
+        return out
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (vLLM's API server does not report the port it bound)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def vllm_server() -> VllmServer:
+    """vLLM's own API server (`python -m vllm.entrypoints.openai.api_server`; the venv's `vllm`
+    script looks up a `vllm` distribution, which the CPU build is not named) with
+    VLLM_SERVER_DEV_MODE=1, so its RL routes (`/weight_info`, `/pause`, `/resume`) are vLLM's
+    and not enginectl's (`enginectl serve` mounts its own on those paths: docs/http_routes.md).
+    It serves the embedded tiny model with the flags `enginectl serve` passes it by default
+    (server/flags.py DEFAULT_MODEL_FLAGS: float32, max-model-len 256, the KV-cache size the CPU
+    build needs, ...) and under the same served model name."""
+    from enginectl.server.default_model import SERVED_MODEL_NAME, ensure_default_model
+    from enginectl.server.flags import DEFAULT_MODEL_FLAGS
+
+    model, port = str(ensure_default_model()), free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        *DEFAULT_MODEL_FLAGS,
+    ]
+    env = base_env()
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    srv = VllmServer(cmd, env, name="vllm")
+    srv.serving = {"http_port": port, "model": model, "served_model_name": SERVED_MODEL_NAME}
+    return srv
 
 
 def baseline_server(variant: str) -> ServeProcess:

@@ -3,8 +3,10 @@
 Runs in subprocesses of `python -m bench`, speaking JSON lines on stdout:
 - `build [--quick]`: build (once) both synthetic checkpoints (bench/lib/checkpoints.py); prints
   {"event": "result", "models": {key: dir}}.
-- `run --target T --http-port P --model DIR --reps N`: measures, interleaved rep by rep, each
-  enginectl figure and its baseline on the same server and the same bytes:
+- `run --target T --http-port P --vllm-http-port V --model DIR --reps N`: measures, interleaved
+  rep by rep, each enginectl figure and its baseline on the same server and the same bytes (the
+  pause's on the plain vLLM API server at V, idle as ours is: `enginectl serve` mounts
+  enginectl's own /pause and /resume on its HTTP port, docs/http_routes.md):
     pause     PauseGeneration(KEEP) + ResumeGeneration  vs  vLLM HTTP /pause?mode=keep + /resume
     disk      UpdateWeightsFromDisk(DIR)                vs  vLLM /collective_rpc reload_weights(DIR)
     tensors   TrainerClient.update_weights_from_tensors vs  the same stream messages to a gRPC sink
@@ -206,7 +208,7 @@ def summary(times: list[float], nbytes: int = 0, results: Sequence[Any] = ()) ->
     return out
 
 
-def run(target: str, http_port: int, model: Path, reps: int, pause_reps: int) -> dict[str, Any]:
+def run(target: str, http_port: int, vllm_http_port: int, model: Path, reps: int, pause_reps: int) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from enginectl.client import TrainerClient
@@ -225,7 +227,7 @@ def run(target: str, http_port: int, model: Path, reps: int, pause_reps: int) ->
         http_json(http_port, "/collective_rpc", body)
 
     with TrainerClient(target, timeout=600) as client:
-        results["pause"], get_state = measure_pause(client, http_port, pause_reps)
+        results["pause"], get_state = measure_pause(client, vllm_http_port, pause_reps)
         results["engine_round_trip_floor"] = floors.engine_round_trips(get_state)
         results["disk"] = measure_disk(client, http_port, model, payload, reps, copy)
         results["tensors"] = measure_tensors(client, named, payload, reps, copy, reload)
@@ -237,21 +239,39 @@ def run(target: str, http_port: int, model: Path, reps: int, pause_reps: int) ->
     return results
 
 
-def measure_pause(client: Any, http_port: int, reps: int) -> tuple[dict[str, Any], list[float]]:
-    """Pause + resume round trips, enginectl vs vLLM HTTP; and the GetGenerationState wall
-    times sampled between them (two a rep) for the round-trip floor."""
+def measure_pause(client: Any, vllm_http_port: int, reps: int) -> tuple[dict[str, Any], list[float]]:
+    """Pause + resume round trips, enginectl vs vLLM HTTP on the plain vLLM API server at
+    `vllm_http_port`; and the GetGenerationState wall times sampled between them (two a rep) for
+    the round-trip floor. Both servers are idle: nothing else runs on either during the reps."""
+    idle = vllm_idle(vllm_http_port)
+    if not idle["idle"]:
+        raise RuntimeError(f"the vLLM API server is not idle before the pause reps: {idle}")
     ours, theirs, get_state = [], [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         client.pause_generation("keep")
         client.resume_generation()
         ours.append(time.perf_counter() - t0)
-        theirs.append(http_post(http_port, "/pause?mode=keep") + http_post(http_port, "/resume"))
+        theirs.append(http_post(vllm_http_port, "/pause?mode=keep") + http_post(vllm_http_port, "/resume"))
         for _ in range(2):
             t0 = time.perf_counter()
             client.generation_state()
             get_state.append(time.perf_counter() - t0)
-    return {"enginectl": summary(ours), "vllm_http": summary(theirs)}, get_state
+    return {"enginectl": summary(ours), "vllm_http": {**summary(theirs), "before": idle}}, get_state
+
+
+def vllm_idle(port: int) -> dict[str, Any]:
+    """Whether the vLLM API server is unpaused with no request running or waiting (`/is_paused`
+    and its Prometheus gauges)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/is_paused", timeout=30) as response:
+        paused = bool(json.loads(response.read())["is_paused"])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    requests = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            requests += float(line.rsplit(" ", 1)[1])
+    return {"idle": not paused and requests == 0, "paused": paused, "requests": requests}
 
 
 def measure_disk(
@@ -406,6 +426,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="build: the smoke-run checkpoints")
     parser.add_argument("--target")
     parser.add_argument("--http-port", type=int)
+    parser.add_argument("--vllm-http-port", type=int, help="run: the plain vLLM API server (the pause baseline)")
     parser.add_argument("--model", type=Path)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--pause-reps", type=int, default=20)
@@ -418,7 +439,10 @@ def main() -> None:
             built = {c.key: str(checkpoints.build(c)) for c in checkpoints.checkpoints(args.quick)}
             emit("result", models=built)
         elif args.mode == "run":
-            emit("result", **run(args.target, args.http_port, args.model, args.reps, args.pause_reps))
+            emit(
+                "result",
+                **run(args.target, args.http_port, args.vllm_http_port, args.model, args.reps, args.pause_reps),
+            )
         elif args.mode == "sink":
             sink()
         else:

@@ -5,10 +5,12 @@ Runs in the `python -m bench` process, which only orchestrates: a worker subproc
 (once, under bench/.cache, never committed) two synthetic float32 Llamas of about 200 MB
 (bench/lib/checkpoints.py: "few large", 39 tensors; "many small", 489 tensors shaped like a real
 Llama's); then, per checkpoint, an `enginectl serve` subprocess serves it
-(VLLM_SERVER_DEV_MODE=1 for vLLM's /pause, /resume and /collective_rpc routes) and
-`python -m bench.weights.clients run` measures every figure, its baseline and the floors
-(bench/weights/floors.py) interleaved, rep by rep, on that server and the same bytes; then
-bench/staging/phase.py measures two-phase updates (stage, commit, discard) on the same server.
+(VLLM_SERVER_DEV_MODE=1 for vLLM's /collective_rpc route) and `python -m bench.weights.clients
+run` measures every figure, its baseline and the floors (bench/weights/floors.py) interleaved,
+rep by rep, on that server and the same bytes; then bench/staging/phase.py measures two-phase
+updates (stage, commit, discard) on the same server. The pause row's baseline is vLLM's own
+/pause and /resume on the run's plain vLLM API server (bench/lib/procs.py vllm_server), idle
+like ours: `enginectl serve` mounts enginectl's routes on those paths (docs/http_routes.md).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ TARGETS = {"disk": 0.9, "gloo": 0.9, "nccl": 0.9, "tensors": 0.8, "ipc": 0.9}
 BESIDE = {"gloo": "raw_gloo_beside_reload", "tensors": "raw_grpc_stream_beside_reload"}
 
 
-def phase(quick: bool) -> dict[str, Any]:
+def phase(quick: bool, vllm_http_port: int) -> dict[str, Any]:
+    """`vllm_http_port`: the HTTP port of the run's plain vLLM API server, the pause row's baseline."""
     from bench.lib.procs import Worker
 
     log("weights: building the synthetic checkpoints (once, under bench/.cache)")
@@ -40,12 +43,13 @@ def phase(quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"checkpoints": {}}
     for ckpt in checkpoints(quick):
         log(f"weights: {ckpt.label} checkpoint, its own server")
-        out["checkpoints"][ckpt.key] = measure(ckpt, Path(models[ckpt.key]), quick)
+        out["checkpoints"][ckpt.key] = measure(ckpt, Path(models[ckpt.key]), quick, vllm_http_port)
     return out
 
 
-def measure(ckpt: Checkpoint, model: Path, quick: bool) -> dict[str, Any]:
-    """Serve `model` with its own `enginectl serve` and measure every figure on it."""
+def measure(ckpt: Checkpoint, model: Path, quick: bool, vllm_http_port: int) -> dict[str, Any]:
+    """Serve `model` with its own `enginectl serve` and measure every figure on it (the pause
+    row's baseline on the vLLM API server at `vllm_http_port`)."""
     from bench.lib.procs import Worker, bench_env, model_server
 
     server = model_server(
@@ -65,6 +69,8 @@ def measure(ckpt: Checkpoint, model: Path, quick: bool) -> dict[str, Any]:
                 server.grpc_target,
                 "--http-port",
                 str(server.http_port),
+                "--vllm-http-port",
+                str(vllm_http_port),
                 "--model",
                 str(model),
                 "--reps",
@@ -128,7 +134,7 @@ def _checkpoint_figures(key: str, ck: dict[str, Any]) -> list[dict[str, Any]]:
         {
             "figure": f"PauseGeneration + ResumeGeneration round trip, {ck['label']}",
             "checkpoint": key,
-            "baseline": "vLLM HTTP /pause + /resume",
+            "baseline": "vLLM HTTP /pause + /resume (plain vLLM API server, idle)",
             "baseline_value": http_ms,
             "enginectl_value": ours_ms,
             "unit": "ms",
