@@ -104,3 +104,4 @@ class ServeConfig:
     rollouts: RolloutConfig
     log_json: bool
     gateway: GatewayConfig | None = None  # None: no --gateway
+    allow_vllm_dev_routes: bool = False  # --allow-vllm-dev-routes (docs/http_routes.md)

@@ -112,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--insecure", action="store_true", help="Allow a non-loopback gRPC address with neither token nor TLS."
     )
+    group.add_argument(
+        "--allow-vllm-dev-routes",
+        action="store_true",
+        help="With VLLM_SERVER_DEV_MODE=1, leave vLLM's dev routes that change weights behind the ledger "
+        "(/collective_rpc, /sleep, /wake_up, /weight_checker, weight transfer) answering as vLLM's, for "
+        "debugging and benchmarks: VerifyWeights then reports DRIFTED after such a change. /pause, /resume "
+        "and the other RL names stay enginectl's (docs/http_routes.md).",
+    )
     group.add_argument("--log-json", action="store_true", help="Log enginectl events as JSON lines.")
     group.add_argument(
         "--log-rpc-reads",
@@ -310,6 +318,7 @@ def take_config(args: argparse.Namespace) -> ServeConfig:
         ),
         log_json=bool(args.log_json),
         gateway=_gateway_config(args),
+        allow_vllm_dev_routes=bool(args.allow_vllm_dev_routes),
     )
 
 

@@ -195,9 +195,13 @@ async def serve(args: argparse.Namespace, config: ServeConfig) -> int:
         await init_app_state(client, app.state, args, await client.get_supported_tasks())
         # The RL routes (vLLM's, SGLang's, Dynamo's names) on this HTTP port, through the
         # control plane; in place of vLLM's dev routes of the same paths (docs/http_routes.md).
-        replaced = mount(app, http_routes(config, started, control.loop))
+        replaced, kept = mount(
+            app, http_routes(config, started, control.loop), keep_vllm_dev_routes=config.allow_vllm_dev_routes
+        )
         if replaced:
             log.info("vllm_dev_routes_replaced", routes=replaced)
+        if kept:
+            log.warning("vllm_dev_routes_bypass_enginectl", routes=kept, effect="weights may change behind the ledger")
         uvicorn_kwargs: dict[str, Any] = {"log_config": log_config} if log_config is not None else {}
         http = asyncio.create_task(
             serve_http(

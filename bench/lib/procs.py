@@ -46,9 +46,12 @@ def enginectl_server(extra_args: Sequence[str] = ()) -> ServeProcess:
 
 def model_server(model: Path, extra_args: Sequence[str] = ()) -> ServeProcess:
     """`enginectl serve` on a synthetic checkpoint of bench/lib/checkpoints.py: float32, eager, a
-    64 MiB KV cache (a user's model needs a memory flag on a busy host), seeded."""
+    64 MiB KV cache (a user's model needs a memory flag on a busy host), seeded. vLLM's own
+    /collective_rpc stays vLLM's (--allow-vllm-dev-routes): the weights phase's baselines are
+    vLLM's reload_weights on the same server."""
     return enginectl_server(
         [
+            "--allow-vllm-dev-routes",
             "--model",
             str(model),
             "--dtype",

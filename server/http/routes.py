@@ -574,20 +574,27 @@ def _answering(handler: Handler) -> Handler:
     return endpoint
 
 
-def mount(app: Any, routes: RlRoutes) -> list[str]:
+def mount(app: Any, routes: RlRoutes, *, keep_vllm_dev_routes: bool = False) -> tuple[list[str], list[str]]:
     """Put `routes` on vLLM's FastAPI `app`, in place of any route of vLLM's at the same path
     (its dev-mode /pause, /resume, /collective_rpc, ...). Returns the paths of vLLM's routes
-    replaced."""
+    replaced, and those kept: with `keep_vllm_dev_routes` (--allow-vllm-dev-routes) vLLM's
+    routes of the REFUSED paths stay vLLM's where vLLM has them; the RL names are enginectl's
+    all the same."""
     from starlette.routing import Route
 
     table = routes.table()
+    kept: list[str] = []
+    if keep_vllm_dev_routes:
+        present = {getattr(r, "path", None) for r in app.router.routes}
+        kept = sorted(path for path in REFUSED if path in present)
+        table = [(path, methods, handler) for path, methods, handler in table if path not in kept]
     ours = {path for path, _, _ in table}
     replaced = sorted({r.path for r in app.router.routes if getattr(r, "path", None) in ours})
     app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in ours]
     for path, methods, handler in table:
         app.router.routes.append(Route(path, _answering(handler), methods=list(methods), include_in_schema=True))
     app.openapi_schema = None
-    return replaced
+    return replaced, kept
 
 
 def _enum(enum: Any, value: int) -> str | None:

@@ -3,7 +3,7 @@ applying an update), and the planner exposes it.
 
 The end-to-end tests read the session's `weights_server` (a real engine on the embedded tiny
 model, allowed to load the `checkpoints`) over a real StreamForwardPassMetrics call, heartbeats
-included, and drive it through the real gRPC API and vLLM's own HTTP `/pause`. A change of
+included, and drive it through the real gRPC API and the HTTP `/pause` route. A change of
 state is published at once as a heartbeat, so every window shows on the stream in order,
 however short; the reads wait on the stream with a deadline, never on a clock. The server is
 left running (forced resume) after every test.
@@ -199,9 +199,13 @@ async def test_a_weight_update_shows_its_pause_then_applying_then_running(
     assert applying[0].kind == HEARTBEAT and not any(s.kind == STEP for s in applying)
 
 
-async def test_a_pause_made_through_vllms_own_api_is_external(
+async def test_a_pause_through_vllms_route_name_is_enginectls_caller_pause(
     weights_server: ServeProcess, samples: EngineSamples, updates: upb_grpc.WeightUpdateServiceStub
 ) -> None:
+    """vLLM's HTTP `/pause` used to pause the engine behind enginectl's back (an EXTERNAL pause:
+    tests/unit/test_fpm_generation_state.py shows how one is reported). Under enginectl that
+    name is PauseGeneration's (docs/http_routes.md): the samples say who paused, the caller."""
+
     def post(path: str) -> None:
         request = urllib.request.Request(f"{weights_server.http_url}{path}", data=b"", method="POST")
         with urllib.request.urlopen(request, timeout=READ_S) as response:
@@ -209,7 +213,7 @@ async def test_a_pause_made_through_vllms_own_api_is_external(
 
     await asyncio.to_thread(post, "/pause?mode=keep")
     paused = (await samples.until(lambda s: state(s) != RUNNING))[-1]
-    assert state(paused) == ("PAUSED", "EXTERNAL")
+    assert state(paused) == ("PAUSED", "CALLER")
     await asyncio.to_thread(post, "/resume")
     between = await samples.until(lambda s: state(s) == RUNNING)
-    assert windows(between[:-1]) in ([], [("PAUSED", "EXTERNAL")])
+    assert windows(between[:-1]) in ([], [("PAUSED", "CALLER")])

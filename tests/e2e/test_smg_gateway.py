@@ -150,6 +150,33 @@ def test_a_state_changing_route_needs_the_token_and_smg_carries_it(
     assert not any(s.state().paused for s in stubs)
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "{b}"}}),
+        ("/sleep", {}),
+        ("/wake_up", {}),
+        ("/weight_checker", {"action": "reset"}),
+        ("/update_weights", {"update_info": {}}),
+    ],
+)
+def test_vllm_dev_routes_that_would_change_weights_behind_the_ledger_are_refused(
+    servers: list[ServeProcess], stubs: list[Stubs], checkpoints: Checkpoints, path: str, body: dict[str, Any]
+) -> None:
+    """These servers run with VLLM_SERVER_DEV_MODE=1, so vLLM's own routes exist: enginectl's
+    refusal answers in their place, with the token or without."""
+    from enginectl.weights.v1 import weight_version_service_pb2 as vpb
+
+    if "kwargs" in body:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoints.b)}}
+    srv, s = servers[0], stubs[0]
+    before, tokens = s.version(), greedy_tokens(srv)
+    status, answer = call(srv.http_url, path, body, token=TOKEN)
+    assert (status, answer["error"], answer["details"]["route"]) == (403, "ROUTE_REFUSED", path)
+    assert s.version() == before and greedy_tokens(srv) == tokens
+    assert s.verify().verdict == vpb.VERIFY_VERDICT_MATCH
+
+
 @dataclass
 class Rollouts:
     """Clients sending completions through SMG until stopped, each answer timestamped."""

@@ -118,8 +118,8 @@ async def test_mount_takes_the_place_of_vllms_routes_at_the_same_paths(plane: Co
     async def vllm_resume() -> dict[str, Any]:  # stands for vLLM's dev route of that path
         return {"status": "resumed by vLLM"}
 
-    replaced = mount(app, RlRoutes(LocalCalls(plane.local.call, asyncio.get_running_loop())))
-    assert replaced == ["/resume"]
+    replaced, kept = mount(app, RlRoutes(LocalCalls(plane.local.call, asyncio.get_running_loop())))
+    assert (replaced, kept) == (["/resume"], [])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://routes") as client:
         answer = await client.post("/resume", json={}, headers=_auth())
     assert answer.json()["error"] == Reason.NOT_IMPLEMENTED  # enginectl's route answered (no engine here)
@@ -168,3 +168,24 @@ async def test_once_the_plane_stops_the_routes_answer_shutting_down(
     answer = await http.post("/update_weight_version", json={"new_version": "late"}, headers=_auth())
     assert (answer.status_code, answer.json()["error"]) == (503, Reason.SHUTTING_DOWN)
     assert plane.ledger.state == before
+
+
+async def test_allow_vllm_dev_routes_keeps_vllms_weight_routes_but_not_its_rl_names(plane: ControlPlaneServer) -> None:
+    app = FastAPI()
+
+    @app.post("/collective_rpc")
+    async def vllm_rpc() -> dict[str, Any]:  # stands for vLLM's dev route of that path
+        return {"results": ["vLLM's"]}
+
+    @app.post("/pause")
+    async def vllm_pause() -> dict[str, Any]:
+        return {"status": "paused by vLLM"}
+
+    replaced, kept = mount(
+        app, RlRoutes(LocalCalls(plane.local.call, asyncio.get_running_loop())), keep_vllm_dev_routes=True
+    )
+    assert (replaced, kept) == (["/pause"], ["/collective_rpc"])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://routes") as client:
+        assert (await client.post("/collective_rpc", json={})).json() == {"results": ["vLLM's"]}
+        assert (await client.post("/pause", json={}, headers=_auth())).json()["error"] == Reason.NOT_IMPLEMENTED
+        assert (await client.post("/sleep", json={})).json()["error"] == Reason.ROUTE_REFUSED  # vLLM has none here

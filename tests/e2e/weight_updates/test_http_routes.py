@@ -21,7 +21,6 @@ from support.weight_updates import Stubs
 from support.weights import Checkpoints, greedy_tokens
 
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
-from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 
 
 def _unchanged(stubs: Stubs, server: ServeProcess, before: Any, tokens: list[int]) -> None:
@@ -191,28 +190,21 @@ def test_an_update_in_progress_refuses_updates_and_resume_over_http(
     assert stubs.version() == before
 
 
-@pytest.mark.parametrize(
-    ("path", "body"),
-    [
-        ("/collective_rpc", {"method": "reload_weights"}),
-        ("/sleep", {}),
-        ("/wake_up", {}),
-        ("/weight_checker", {"action": "reset"}),
-        ("/update_weights", {"update_info": {}}),
-        ("/start_weight_update", {}),
-    ],
-)
-def test_vllm_dev_routes_that_would_go_around_the_ledger_are_refused(
-    weights_server: ServeProcess, stubs: Stubs, tokens_a: list[int], path: str, body: dict[str, Any]
+def test_allow_vllm_dev_routes_keeps_vllms_weight_routes_and_enginectls_rl_names(
+    weights_server: ServeProcess, stubs: Stubs, tokens_a: list[int]
 ) -> None:
-    """The weights server runs with VLLM_SERVER_DEV_MODE=1: vLLM's own routes exist there,
-    and enginectl's answer takes their place."""
-    before = stubs.version()
-    status, answer = call(weights_server.http_url, path, body)
-    assert (status, answer["error"], answer["details"]["route"]) == (403, "ROUTE_REFUSED", path)
-    _unchanged(stubs, weights_server, before, tokens_a)
-    verdict = stubs.versions.VerifyWeights(vpb.VerifyWeightsRequest()).verdict
-    assert verdict == vpb.VERIFY_VERDICT_MATCH
+    """The weights server runs with VLLM_SERVER_DEV_MODE=1 and --allow-vllm-dev-routes: vLLM's
+    /collective_rpc answers as vLLM's (the drift test uses it), its /pause does not: that
+    name is enginectl's PauseGeneration whatever the flag (the refusals without the flag are
+    in test_smg_gateway.py)."""
+    status, answer = call(weights_server.http_url, "/collective_rpc", {"method": "check_health"})
+    assert status == 200 and "error" not in answer, answer
+    status, answer = call(weights_server.http_url, "/pause?mode=keep", {})
+    assert status == 200 and answer["status"] == "paused"
+    assert stubs.state().reason == upb.PAUSE_REASON_CALLER  # enginectl's bookkeeping, not vLLM's
+    call(weights_server.http_url, "/resume", {})
+    assert not stubs.state().paused
+    del tokens_a  # back_to_a (conftest) loads A afterwards
 
 
 def test_a_grpc_pause_is_lifted_by_http_resume_and_both_agree(weights_server: ServeProcess, stubs: Stubs) -> None:
