@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -77,8 +79,17 @@ def _completion(smg: SmgGateway, server: ServeProcess) -> dict[str, Any]:
     request = urllib.request.Request(
         smg.url + "/v1/completions", data=body, headers={"content-type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=60) as r:
-        return dict(json.loads(r.read()))
+    # SMG answers 503 for a moment after a worker turns ready, until its router takes it in
+    # (seen once on a loaded CI host): retried within a deadline, any other error raised.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return dict(json.loads(r.read()))
+        except urllib.error.HTTPError as err:
+            if err.code != 503 or time.monotonic() > deadline:
+                raise
+            threading.Event().wait(0.1)
 
 
 def _cli(server: ServeProcess, smg: SmgGateway, *words: str) -> subprocess.CompletedProcess[str]:
