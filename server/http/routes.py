@@ -23,7 +23,6 @@ refused with ROUTE_REFUSED (`mount`): none goes around the ledger.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,8 +33,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from enginectl.common.vocabulary import Reason
-from enginectl.server import limits
 from enginectl.server.http.answers import error_response, ok, version_json
+from enginectl.server.http.body import GROUP_BACKENDS, LOAD_FORMATS, Body, bad, pause_mode, set_timeout, update_options
 from enginectl.server.http.local_calls import LocalCalls, RouteError
 from enginectl.weights.v1 import weight_update_service_pb2 as upd
 from enginectl.weights.v1 import weight_version_service_pb2 as ver
@@ -44,20 +43,6 @@ WEIGHT_VERSION = "/enginectl.weights.v1.WeightVersionService/"
 WEIGHT_UPDATE = "/enginectl.weights.v1.WeightUpdateService/"
 VLLM_ENGINE = "/vllm.grpc.engine.VllmEngine/"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
-
-# Pause modes by name: enginectl's and vLLM's (abort, wait, keep), SGLang's (in_place freezes
-# requests where they are; retract frees their KV cache and runs them again later: either
-# way they survive the pause, which is KEEP).
-PAUSE_MODES = {
-    "abort": upd.PAUSE_MODE_ABORT,
-    "wait": upd.PAUSE_MODE_WAIT,
-    "keep": upd.PAUSE_MODE_KEEP,
-    "in_place": upd.PAUSE_MODE_KEEP,
-    "retract": upd.PAUSE_MODE_KEEP,
-}
-GROUP_BACKENDS = {"gloo": upd.GROUP_BACKEND_GLOO, "nccl": upd.GROUP_BACKEND_NCCL}
-# SGLang's load_format values enginectl reads (it loads safetensors only, never pickle).
-LOAD_FORMATS = (None, "auto", "safetensors")
 
 # vLLM's dev routes (VLLM_SERVER_DEV_MODE=1) that would pause, resume or change weights
 # behind the ledger, and what to call instead. Answered PERMISSION_DENIED ROUTE_REFUSED.
@@ -76,120 +61,6 @@ REFUSED = {
 }
 
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _bad(field: str, description: str, reason: str = Reason.MALFORMED_REQUEST) -> RouteError:
-    return RouteError(
-        grpc.StatusCode.INVALID_ARGUMENT,
-        reason,
-        f"{field}: {description}",
-        violations=[{"field": field, "description": description}],
-    )
-
-
-class Body:
-    """A route's arguments: the JSON object of the body, over the query string's values
-    (vLLM's routes take query parameters, SGLang's a body; both are read)."""
-
-    def __init__(self, values: dict[str, Any], query: dict[str, str]) -> None:
-        self._values = values
-        self._query = query
-
-    @classmethod
-    async def read(cls, request: Request) -> Body:
-        raw = await request.body()
-        values: Any = {}
-        if raw.strip():
-            try:
-                values = json.loads(raw)
-            except ValueError as err:
-                raise RouteError(
-                    grpc.StatusCode.INVALID_ARGUMENT, Reason.MALFORMED_REQUEST, f"the body is not JSON: {err}"
-                ) from None
-        if not isinstance(values, dict):
-            raise RouteError(
-                grpc.StatusCode.INVALID_ARGUMENT, Reason.MALFORMED_REQUEST, "the body must be a JSON object"
-            )
-        return cls(values, dict(request.query_params))
-
-    def _get(self, key: str) -> Any:
-        if key in self._values and self._values[key] is not None:
-            return self._values[key]
-        return self._query.get(key)
-
-    def has(self, key: str) -> bool:
-        return self._get(key) is not None
-
-    def value(self, key: str) -> Any:
-        """The value as it came (None when absent), for the caller to check."""
-        return self._get(key)
-
-    def string(self, key: str, default: str | None = None, *, required: bool = False) -> str | None:
-        value = self._get(key)
-        if value is None:
-            if required:
-                raise _bad(key, "required")
-            return default
-        if not isinstance(value, str):
-            raise _bad(key, "must be a string")
-        return value
-
-    def flag(self, key: str, default: bool = False) -> bool:
-        value = self._get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "false", "0"):
-            return value.lower() in ("true", "1")
-        raise _bad(key, "must be a boolean")
-
-    def number(self, key: str) -> float | None:
-        value = self._get(key)
-        if value is None:
-            return None
-        if isinstance(value, bool):
-            raise _bad(key, "must be a number")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise _bad(key, "must be a number") from None
-
-    def integer(self, key: str, *, required: bool = False) -> int | None:
-        value = self.number(key)
-        if value is None:
-            if required:
-                raise _bad(key, "required")
-            return None
-        if value != int(value) or value < 0:
-            raise _bad(key, "must be a non-negative integer")
-        return int(value)
-
-    def strings(self, key: str) -> list[str]:
-        value = self._get(key)
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise _bad(key, "must be a list of strings")
-        return value
-
-
-def _pause_mode(body: Body, default: str) -> upd.PauseMode.ValueType:
-    name = body.string("mode", default)
-    assert name is not None
-    mode = PAUSE_MODES.get(name.lower())
-    if mode is None:
-        raise _bad("mode", f"one of {', '.join(PAUSE_MODES)}", Reason.PAUSE_MODE_INVALID)
-    return mode
-
-
-def _timeout(body: Body, key: str, message: Any) -> float:
-    """Sets `message.<key>` from the body's `timeout` (seconds); returns the update's bound."""
-    seconds = body.number("timeout")
-    if seconds is None:
-        return limits.DEFAULT_TIMEOUT_S
-    if seconds <= 0 or seconds > limits.MAX_TIMEOUT_S:
-        raise _bad("timeout", f"must be in (0, {limits.MAX_TIMEOUT_S:g}] seconds", Reason.TIMEOUT_INVALID)
-    getattr(message, key).FromMilliseconds(int(seconds * 1000))
-    return seconds
 
 
 class RlRoutes:
@@ -224,13 +95,8 @@ class RlRoutes:
 
     async def _pause(self, request: Request, body: Body, default_mode: str) -> upd.PauseGenerationResponse:
         auth, rid = self._guard(request)
-        message = upd.PauseGenerationRequest(mode=_pause_mode(body, default_mode), clear_cache=body.flag("clear_cache"))
-        seconds = body.number("timeout")
-        if seconds is not None:
-            if seconds <= 0 or seconds > limits.MAX_TIMEOUT_S:
-                raise _bad("timeout", f"must be in (0, {limits.MAX_TIMEOUT_S:g}] seconds", Reason.TIMEOUT_INVALID)
-            message.wait_timeout.FromMilliseconds(int(seconds * 1000))
-        bound = (seconds or limits.DEFAULT_TIMEOUT_S) + 5.0
+        message = upd.PauseGenerationRequest(mode=pause_mode(body, default_mode), clear_cache=body.flag("clear_cache"))
+        bound = set_timeout(body, "wait_timeout", message) + 5.0
         return await self._calls.call(
             WEIGHT_UPDATE + "PauseGeneration",
             message,
@@ -301,8 +167,8 @@ class RlRoutes:
         message.etag = body.string("etag", "") or ""
         message.request_id = body.string("request_id", "") or ""
         message.stage_only = body.flag("stage_only")
-        _update_options(body, message)
-        within = _timeout(body, "timeout", message)
+        update_options(body, message)
+        within = set_timeout(body, "timeout", message)
         answer = await self._calls.operation(
             WEIGHT_UPDATE + method,
             message,
@@ -378,7 +244,7 @@ class RlRoutes:
         guard = self._guard(request)
         load_format = body.string("load_format")
         if load_format not in LOAD_FORMATS:
-            raise _bad("load_format", "only safetensors weights are loaded", Reason.LOAD_FORMAT_UNSUPPORTED)
+            raise bad("load_format", "only safetensors weights are loaded", Reason.LOAD_FORMAT_UNSUPPORTED)
         message = upd.UpdateWeightsFromDiskRequest(path=body.string("model_path", required=True) or "")
         return await self._update("UpdateWeightsFromDisk", message, body, guard)
 
@@ -389,7 +255,7 @@ class RlRoutes:
         auth, rid = self._guard(request)
         backend = (body.string("backend", "nccl") or "").lower()
         if backend not in GROUP_BACKENDS:
-            raise _bad("backend", f"one of {', '.join(GROUP_BACKENDS)}")
+            raise bad("backend", f"one of {', '.join(GROUP_BACKENDS)}")
         message = upd.InitWeightsUpdateGroupRequest(
             group_name=body.string("group_name", required=True) or "",
             master_address=body.string("master_address", required=True) or "",
@@ -398,7 +264,7 @@ class RlRoutes:
             world_size=body.integer("world_size", required=True) or 0,
             backend=GROUP_BACKENDS[backend],
         )
-        within = _timeout(body, "timeout", message)
+        within = set_timeout(body, "timeout", message)
         answer = await self._calls.call(
             WEIGHT_UPDATE + "InitWeightsUpdateGroup",
             message,
@@ -420,14 +286,14 @@ class RlRoutes:
         names, dtypes = body.strings("names"), body.strings("dtypes")
         shapes = body.value("shapes")
         if not isinstance(shapes, list) or len(shapes) != len(names) or len(dtypes) != len(names):
-            raise _bad("shapes", "names, dtypes and shapes must be lists of one length", Reason.TENSOR_SPEC_INVALID)
+            raise bad("shapes", "names, dtypes and shapes must be lists of one length", Reason.TENSOR_SPEC_INVALID)
         message = upd.UpdateWeightsFromDistributedRequest(group_name=body.string("group_name", required=True) or "")
         for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
             member = f"TENSOR_DTYPE_{dtype.removeprefix('torch.').upper()}"
             if member not in upd.TensorDtype.keys():
-                raise _bad(f"dtypes[{i}]", f"unknown dtype {dtype!r}", Reason.TENSOR_SPEC_INVALID)
+                raise bad(f"dtypes[{i}]", f"unknown dtype {dtype!r}", Reason.TENSOR_SPEC_INVALID)
             if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-                raise _bad(f"shapes[{i}]", "must be a list of integers", Reason.TENSOR_SPEC_INVALID)
+                raise bad(f"shapes[{i}]", "must be a list of integers", Reason.TENSOR_SPEC_INVALID)
             message.tensors.add(name=name, dtype=upd.TensorDtype.Value(member), shape=shape)
         return await self._update("UpdateWeightsFromDistributed", message, body, guard)
 
@@ -608,21 +474,6 @@ def _paused_fields(answer: upd.PauseGenerationResponse) -> dict[str, Any]:
         "num_aborted_requests": answer.num_aborted_requests,
         "num_paused_requests": answer.num_paused_requests,
     }
-
-
-def _update_options(body: Body, message: Any) -> None:
-    """The options every update takes: version, pause mode, prefix cache reset. SGLang's
-    `abort_all_requests: true` is PAUSE_MODE_ABORT; its `flush_cache` is reset_prefix_cache."""
-    version = body.string("weight_version")
-    if version is not None:
-        message.weight_version = version
-    if body.has("mode"):
-        message.pause_mode = _pause_mode(body, "keep")
-    elif body.flag("abort_all_requests"):
-        message.pause_mode = upd.PAUSE_MODE_ABORT
-    for key in ("reset_prefix_cache", "flush_cache"):
-        if body.has(key):
-            message.reset_prefix_cache = body.flag(key)
 
 
 def _updated(answer: upd.UpdateWeightsResponse) -> JSONResponse:
