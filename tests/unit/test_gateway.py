@@ -170,7 +170,8 @@ async def _until(predicate: Callable[[], bool], timeout: float, what: str) -> No
     while not predicate():
         if time.monotonic() > deadline:
             pytest.fail(f"not within {timeout}s: {what}")
-        await asyncio.sleep(0.01)
+        # Yields the loop so the registration's tasks run; the predicate is re-checked each turn.
+        await asyncio.sleep(0.01)  # ok-sleep
 
 
 async def test_a_down_gateway_is_retried_with_backoff_until_it_answers() -> None:
