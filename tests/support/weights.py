@@ -123,11 +123,20 @@ def build_checkpoints(serve_env: dict[str, str], root: Path) -> Checkpoints:
 def start_weights_server(serve_env: dict[str, str], checkpoints: Checkpoints, *extra: str) -> ServeProcess:
     """A ready server allowed to read the checkpoints' root, in vLLM dev mode with vLLM's own
     weight routes kept (--allow-vllm-dev-routes: /collective_rpc changes weights behind the
-    ledger, which test_weight_update.py's drift test does on purpose)."""
+    ledger, which test_weight_update.py's drift test does on purpose), and with vLLM's weight
+    transfer configured on enginectl's registered `gloo` engine (test_transfer_engine.py)."""
     env = dict(serve_env, VLLM_SERVER_DEV_MODE="1")
     return (
         ServeProcess(
-            ["--allow-weights-from", str(checkpoints.root), "--enable-scale-out", "--allow-vllm-dev-routes", *extra],
+            [
+                "--allow-weights-from",
+                str(checkpoints.root),
+                "--enable-scale-out",
+                "--allow-vllm-dev-routes",
+                "--weight-transfer-config",
+                '{"backend": "gloo"}',
+                *extra,
+            ],
             env,
         )
         .start()

@@ -45,6 +45,7 @@ from enginectl.worker.weights.groups import GroupsMixin, aligned, typed_view
 from enginectl.worker.weights.ipc import IpcTensors
 from enginectl.worker.weights.ranks import dp_rank, global_rank
 from enginectl.worker.weights.staging import StagingMixin
+from enginectl.worker.weights.transfer_engine import register as register_transfer_engine
 
 
 @dataclass
@@ -63,6 +64,7 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin):
         # process): vLLM's WorkerBase.__init__ calls no super().__init__, so a mixin's
         # __init__ never runs, and every other method vLLM calls at init is the worker's own.
         attach()
+        register_transfer_engine()  # vLLM's worker builds its transfer engine in load_model
         return super().__new__(cls)
 
     def enginectl_load(self, plan_wire: Any) -> Any:

@@ -18,7 +18,7 @@ import datetime
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,76 +144,95 @@ class GroupsMixin:
         return True
 
     def _enginectl_broadcast_tensors(self, plan: LoadPlan, channel: Channel) -> Iterator[tuple[str, torch.Tensor]]:
-        """Tensors broadcast by the trainer (group rank 0), received on a thread so that
-        receiving the next bucket overlaps loading this one. With `plan.bucket_bytes` the
-        tensors come in buckets (common/buckets.py): one broadcast per bucket, into a flat
-        receive buffer the bucket's tensors are views of."""
+        """Tensors broadcast by the trainer (group rank 0) for a DISTRIBUTED load, through
+        the update's channel (abort frames, progress flushes, its deadline)."""
         group = self._enginectl_groups().get(plan.group)
         if group is None:
             raise Abort(Cause.GROUP_NOT_FOUND, f"no update group {plan.group!r} on this worker")
-        if group.broken:
-            raise Abort(Cause.GROUP_BROKEN, group.broken)
-        specs = plan.tensors
-        plan_buckets = buckets.cut([dtypes.nbytes(s.dtype, s.shape) for s in specs], plan.bucket_bytes)
-        # Unbounded: every bucket has a receive buffer of its own (allocated once, reused), so
-        # the receive runs at the transport's pace however far the loader is behind; a bound
-        # tied the two together, and each waited for the other (docs/weights.md, "Bucketed
-        # broadcasts").
-        received: queue.Queue[list[tuple[str, torch.Tensor]] | _ReceiveFailed | None] = queue.Queue()
-        stop = threading.Event()
-        receive_buffers = _buffers(group, specs, plan_buckets)
 
-        def receive() -> None:
-            unbind_this_thread()  # it only waits and moves bytes (worker/weights/cores.py)
-            waiting_since = time.monotonic()
+        def check() -> None:
             try:
-                for bucket, buffer in zip(plan_buckets, receive_buffers, strict=True):
-                    waiting_since = time.monotonic()
-                    group.pg.broadcast(buffer, 0).wait()
-                    if bucket.packed:
-                        unpacked = [
-                            (specs[i].name, typed_view(buffer, offset, specs[i].dtype, specs[i].shape))
-                            for i, offset in zip(range(bucket.start, bucket.stop), bucket.offsets, strict=True)
-                        ]
-                    else:
-                        unpacked = [(specs[bucket.start].name, buffer)]
-                    if stop.is_set():
-                        return
-                    received.put(unpacked)
-                received.put(None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
-                group.broken = f"{type(exc).__name__}: {exc}"
-                received.put(_ReceiveFailed(exc, _timed_out(time.monotonic() - waiting_since, group.timeout)))
+                channel.check()
+            except Abort as exc:
+                if exc.cause == Cause.UPDATE_TIMEOUT:  # still receiving: the broadcast is late
+                    raise Abort(Cause.GROUP_TIMEOUT, f"the broadcast did not complete in time: {exc}") from None
+                raise
 
-        thread = threading.Thread(target=receive, name=f"enginectl-recv-{group.name}", daemon=True)
-        thread.start()
+        return received_broadcast(group, plan.tensors, plan.bucket_bytes, check, channel.flush, channel.deadline)
+
+
+def received_broadcast(
+    group: _Group,
+    specs: tuple[TensorSpec, ...],
+    bucket_bytes: int,
+    check: Callable[[], None],
+    idle: Callable[[], None],
+    deadline: float,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors `specs` broadcast by group rank 0, received on a thread so that receiving
+    the next bucket overlaps loading this one. With `bucket_bytes` they come in buckets
+    (common/buckets.py): one broadcast per bucket, into a flat receive buffer the bucket's
+    tensors are views of. `check` runs between items (it raises Abort to stop), `idle` while
+    nothing arrived; a failed receive raises Abort (GROUP_TIMEOUT once `deadline`, wall clock,
+    passed or gloo's own timeout ran out, else STREAM_BROKEN). The one receive of enginectl's
+    DISTRIBUTED loads and of its vLLM weight-transfer engine (transfer_engine.py)."""
+    if group.broken:
+        raise Abort(Cause.GROUP_BROKEN, group.broken)
+    plan_buckets = buckets.cut([dtypes.nbytes(s.dtype, s.shape) for s in specs], bucket_bytes)
+    # Unbounded: every bucket has a receive buffer of its own (allocated once, reused), so
+    # the receive runs at the transport's pace however far the loader is behind; a bound
+    # tied the two together, and each waited for the other (docs/weights.md, "Bucketed
+    # broadcasts").
+    received: queue.Queue[list[tuple[str, torch.Tensor]] | _ReceiveFailed | None] = queue.Queue()
+    stop = threading.Event()
+    receive_buffers = _buffers(group, specs, plan_buckets)
+
+    def receive() -> None:
+        unbind_this_thread()  # it only waits and moves bytes (worker/weights/cores.py)
+        waiting_since = time.monotonic()
         try:
-            while True:
-                try:
-                    channel.check()
-                except Abort as exc:
-                    if exc.cause == Cause.UPDATE_TIMEOUT:  # still receiving: the broadcast is late
-                        raise Abort(Cause.GROUP_TIMEOUT, f"the broadcast did not complete in time: {exc}") from None
-                    raise
-                try:
-                    item = received.get(timeout=POLL_MS / 1000)
-                except queue.Empty:
-                    channel.flush()
-                    continue
-                if item is None:
+            for bucket, buffer in zip(plan_buckets, receive_buffers, strict=True):
+                waiting_since = time.monotonic()
+                group.pg.broadcast(buffer, 0).wait()
+                if bucket.packed:
+                    unpacked = [
+                        (specs[i].name, typed_view(buffer, offset, specs[i].dtype, specs[i].shape))
+                        for i, offset in zip(range(bucket.start, bucket.stop), bucket.offsets, strict=True)
+                    ]
+                else:
+                    unpacked = [(specs[bucket.start].name, buffer)]
+                if stop.is_set():
                     return
-                if isinstance(item, _ReceiveFailed):
-                    late = item.timed_out or time.time() >= channel.deadline
-                    raise Abort(
-                        Cause.GROUP_TIMEOUT if late else Cause.STREAM_BROKEN,
-                        f"the broadcast failed: {type(item.error).__name__}: {item.error}",
-                    )
-                yield from item
-        finally:
-            stop.set()
-            if thread.is_alive():
-                # Blocked in a receive: the group can not be trusted again; the server destroys it.
-                group.broken = group.broken or "an update stopped while receiving through this group"
+                received.put(unpacked)
+            received.put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
+            group.broken = f"{type(exc).__name__}: {exc}"
+            received.put(_ReceiveFailed(exc, _timed_out(time.monotonic() - waiting_since, group.timeout)))
+
+    thread = threading.Thread(target=receive, name=f"enginectl-recv-{group.name}", daemon=True)
+    thread.start()
+    try:
+        while True:
+            check()
+            try:
+                item = received.get(timeout=POLL_MS / 1000)
+            except queue.Empty:
+                idle()
+                continue
+            if item is None:
+                return
+            if isinstance(item, _ReceiveFailed):
+                late = item.timed_out or time.time() >= deadline
+                raise Abort(
+                    Cause.GROUP_TIMEOUT if late else Cause.STREAM_BROKEN,
+                    f"the broadcast failed: {type(item.error).__name__}: {item.error}",
+                )
+            yield from item
+    finally:
+        stop.set()
+        if thread.is_alive():
+            # Blocked in a receive: the group can not be trusted again; the server destroys it.
+            group.broken = group.broken or "an update stopped while receiving through this group"
 
 
 def _buffer_key(specs: tuple[TensorSpec, ...], bucket: buckets.Bucket) -> BufferKey:

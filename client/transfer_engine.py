@@ -1,0 +1,184 @@
+"""The trainer's side of the `gloo` weight-transfer engine, in vLLM's trainer-side registry.
+
+Runs in the trainer process, and needs vLLM installed there (its trainer-side engine
+interface, `vllm.distributed.weight_transfer`). `register()` puts
+`GlooTrainerWeightTransferEngine` in vLLM's `WeightTransferTrainerFactory` under `gloo`, so a
+trainer written against vLLM's own API drives an engine served with
+`--weight-transfer-config '{"backend": "gloo"}'`:
+
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from enginectl.client.transfer_engine import GlooTrainerInitInfo, register
+
+    register()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        GlooTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=2, rank=0),
+        client=HTTPVLLMWeightSyncClient("http://127.0.0.1:8000"),
+        source=ModuleSource(model),
+    )
+    engine.send_weights()
+
+The group and the broadcast are enginectl's own (client/trainer_tensors.py `BroadcastGroup`:
+rank 0 hosts the TCPStore, tensors go in buckets cut by common/buckets.py, packed into one
+reused buffer); the workers' side is worker/weights/transfer_engine.py (docs/weights.md,
+"vLLM's weight-transfer engines").
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    materialize_full_tensor,
+)
+
+from enginectl.client.trainer_tensors import DEFAULT_BUCKET_BYTES, BroadcastGroup
+from enginectl.common.buckets import cut
+
+BACKEND = "gloo"
+DEFAULT_GROUP = "vllm-weight-transfer"
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """The trainer's group: rank 0 (the sender) hosts its TCPStore on
+    `master_address:master_port` (0: a free port); `world_size` counts the trainer and every
+    engine worker. `timeout_s` bounds the rendezvous and every broadcast; tensors of at most
+    `bucket_bytes` go packed, one broadcast per bucket (0: one per tensor)."""
+
+    backend: ClassVar[str] = BACKEND
+
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP
+    timeout_s: float = 60.0
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """Rank 0 of the gloo group; `send_weights` drives the four steps through `client`."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None,
+        is_sender: bool = True,
+        group: BroadcastGroup | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: GlooTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> GlooTrainerWeightTransferEngine:
+        if source is None:
+            raise ValueError("the gloo trainer engine sends a WeightSource each round: pass source=")
+        if not init_info.is_sender:
+            return cls(client=client, source=source, is_sender=False, bucket_bytes=init_info.bucket_bytes)
+        group = BroadcastGroup.host(
+            init_info.group_name,
+            "gloo",
+            init_info.master_address,
+            init_info.master_port,
+            init_info.world_size,
+            init_info.timeout_s,
+        )
+        workers = {
+            "master_address": init_info.master_address,
+            "master_port": group.port,
+            "rank_offset": 1,
+            "world_size": init_info.world_size,
+            "group_name": init_info.group_name,
+            "timeout_s": init_info.timeout_s,
+        }
+        # The workers join inside init_weight_transfer_engine while rank 0 joins here.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            calling = pool.submit(client.init_weight_transfer_engine, workers)
+            try:
+                group.join()
+            except BaseException:
+                group.close()
+                calling.result()  # the engine's error says best what went wrong
+                raise
+            calling.result()
+        return cls(client=client, source=source, group=group, bucket_bytes=init_info.bucket_bytes)
+
+    def update_info(self) -> dict[str, Any]:
+        """The `update_weights` payload of one round: the source's metadata, with the wire's
+        bucket size."""
+        assert self.source is not None
+        meta = self.source.metadata()
+        return asdict(
+            _UpdateInfo(
+                names=[m.name for m in meta],
+                dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
+                shapes=[list(m.shape) for m in meta],
+                bucket_bytes=self.bucket_bytes,
+            )
+        )
+
+    def send_weights(self, weight_version: str | None = None) -> None:
+        """One round: start, the batch's `update_weights` beside the broadcast, then finish
+        (declaring `weight_version` where given)."""
+        assert self.source is not None
+        tensors = [materialize_full_tensor(t).detach().contiguous() for _, t in self.source]
+        if not self.is_sender:
+            return
+        if self.group is None or self.group.pg is None:
+            raise RuntimeError(f"the gloo group is not usable: {self.group.broken if self.group else 'not joined'}")
+        info = self.update_info()
+        self.client.start_weight_update()
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            receiving = pool.submit(self.client.update_weights, info)
+            self.group.broadcast(tensors, cut([t.numel() * t.element_size() for t in tensors], self.bucket_bytes))
+            receiving.result()
+        except BaseException:
+            self.group.abandon("a round failed while broadcasting")
+            raise
+        finally:
+            pool.shutdown(wait=False)  # a receive left blocked ends at the group's timeout
+        if weight_version is None:
+            self.client.finish_weight_update()
+        else:
+            self.client.finish_weight_update(weight_version)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+@dataclass
+class _UpdateInfo:
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    bucket_bytes: int
+
+
+def register() -> None:
+    """Put the trainer engine in vLLM's WeightTransferTrainerFactory under `gloo`; idempotent."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    try:
+        WeightTransferTrainerFactory.register_engine(BACKEND, __name__, GlooTrainerWeightTransferEngine.__name__)
+    except ValueError:  # registered already
+        pass

@@ -1,0 +1,114 @@
+"""enginectl's gloo broadcast registered as one of vLLM's weight-transfer engines, driven by a
+trainer written against vLLM's own trainer-side API (docs/weights.md, "vLLM's weight-transfer
+engines").
+
+The session's weights server runs with `--weight-transfer-config '{"backend": "gloo"}'` and
+vLLM's dev routes kept (`--allow-vllm-dev-routes`), so vLLM's own four HTTP routes reach the
+engine: the path these tests run is vLLM's, end to end on the CPU build, with enginectl's
+transport under it. Updates through it bypass enginectl's ledger (the version stays, and
+VerifyWeights sees the weights drifted), which the tests assert too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import requests
+import torch
+from support.serving import ServeProcess
+from support.weight_updates import Stubs
+from support.weights import Checkpoints, greedy_tokens
+from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+from enginectl.client.transfer_engine import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine, register
+from enginectl.weights.v1 import weight_update_service_pb2 as upb
+from enginectl.weights.v1 import weight_version_service_pb2 as vpb
+
+
+class StateDictSource(WeightSource):
+    """A trainer's weights as vLLM's WeightSource: a state dict, in its order."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._state.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._state.items())
+
+
+def reset_prefix_cache(server: ServeProcess) -> None:
+    requests.post(f"{server.http_url}/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+@pytest.fixture(scope="module")
+def trainer(weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints) -> Iterator[Any]:
+    """vLLM's trainer-side factory builds enginectl's gloo engine: rank 0 of a group with the
+    server's workers, joined through vLLM's /init_weight_transfer_engine."""
+    register()
+    workers = stubs.updates.GetServerInfo(upb.GetServerInfoRequest(), timeout=10).num_workers
+    engine = WeightTransferTrainerFactory.trainer_init(
+        GlooTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=1 + workers, rank=0, timeout_s=30.0),
+        client=HTTPVLLMWeightSyncClient(weights_server.http_url, timeout=60),
+        source=StateDictSource(checkpoints.state_dict("B")),
+    )
+    assert isinstance(engine, GlooTrainerWeightTransferEngine)
+    yield engine
+    engine.shutdown()
+    HTTPVLLMWeightSyncClient(weights_server.http_url).shutdown_weight_transfer_engine()
+
+
+def test_vllm_trainer_api_updates_through_the_gloo_engine(
+    weights_server: ServeProcess, stubs: Stubs, trainer: Any, tokens_a: list[int], tokens_b: list[int]
+) -> None:
+    before = stubs.version()
+    trainer.send_weights()
+    reset_prefix_cache(weights_server)  # vLLM's own path leaves that to the caller
+    assert greedy_tokens(weights_server) == tokens_b
+    # vLLM's own routes change the weights behind enginectl's ledger, and it says so.
+    after = stubs.version()
+    assert (after.version, after.etag) == (before.version, before.etag)
+    assert stubs.verify().verdict == vpb.VERIFY_VERDICT_DRIFTED
+
+
+def test_a_second_round_reuses_the_group(
+    weights_server: ServeProcess, stubs: Stubs, trainer: Any, tokens_a: list[int], tokens_b: list[int]
+) -> None:
+    """Rounds repeat over one group (its receive buffers reused); the update info is vLLM's
+    NCCL engine's fields plus the bucket size."""
+    info = trainer.update_info()
+    assert set(info) == {"names", "dtype_names", "shapes", "bucket_bytes"}
+    assert len(info["names"]) == len(info["shapes"]) > 0
+    for _ in range(2):
+        trainer.send_weights()
+        reset_prefix_cache(weights_server)
+        assert greedy_tokens(weights_server) == tokens_b
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1"}}),
+        (
+            "/init_weight_transfer_engine",
+            {"init_info": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2}},
+        ),
+        ("/update_weights", {"update_info": {"names": ["x"], "dtype_names": [], "shapes": []}}),
+        ("/finish_weight_update", None),
+    ],
+    ids=["init-missing-fields", "init-rank-offset-0", "update-before-start", "finish-before-start"],
+)
+def test_bad_four_step_calls_are_refused_and_change_nothing(
+    weights_server: ServeProcess, stubs: Stubs, tokens_a: list[int], path: str, body: dict[str, Any] | None
+) -> None:
+    """Malformed init or update info, and steps out of order, are refused by the engine (or
+    vLLM's worker) before anything is received: the engine keeps serving the same weights."""
+    response = requests.post(f"{weights_server.http_url}{path}", json=body, timeout=60)
+    assert response.status_code >= 400, response.text
+    assert greedy_tokens(weights_server) == tokens_a
+    assert stubs.verify().verdict == vpb.VERIFY_VERDICT_MATCH
