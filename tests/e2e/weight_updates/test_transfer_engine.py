@@ -11,7 +11,11 @@ VerifyWeights sees the weights drifted), which the tests assert too.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +31,8 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from enginectl.client.transfer_engine import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine, register
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
+
+TRAINER_PROC = Path(__file__).parents[2] / "support" / "transfer_trainer_proc.py"
 
 
 class StateDictSource(WeightSource):
@@ -44,6 +50,36 @@ class StateDictSource(WeightSource):
 
 def reset_prefix_cache(server: ServeProcess) -> None:
     requests.post(f"{server.http_url}/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+def run_trainer(server: ServeProcess, file: str, mode: str) -> dict[str, Any]:
+    """tests/support/transfer_trainer_proc.py in its own process: its one JSON line."""
+    proc = subprocess.run(
+        [sys.executable, str(TRAINER_PROC), server.http_url, file, mode],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == (0 if mode == "full" else 1), proc.stderr[-3000:]
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_a_trainer_killed_mid_round_leaves_the_weights_untouched(
+    weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], tokens_b: list[int]
+) -> None:
+    """The trainer dies between start and finish, after half the tensors went out: the workers'
+    receive fails on the closed connection, the round ends without touching the model (the
+    engine serves A, whole), and a new trainer's full round then applies B."""
+    died = run_trainer(weights_server, str(checkpoints.file("B")), "die")
+    assert died["sent"] > 0
+    assert greedy_tokens(weights_server) == tokens_a
+    assert stubs.verify(full=True).verdict == vpb.VERIFY_VERDICT_MATCH
+    # The dead trainer's group is still the engine's: let it go, then a new trainer joins.
+    requests.post(f"{weights_server.http_url}/shutdown_weight_transfer_engine", timeout=60).raise_for_status()
+    run_trainer(weights_server, str(checkpoints.file("B")), "full")
+    reset_prefix_cache(weights_server)
+    assert greedy_tokens(weights_server) == tokens_b
 
 
 @pytest.fixture(scope="module")

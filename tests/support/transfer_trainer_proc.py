@@ -1,0 +1,68 @@
+"""A trainer on vLLM's trainer-side API with enginectl's `gloo` engine, as a separate process.
+
+Runs as `python tests/support/transfer_trainer_proc.py HTTP_URL FILE MODE`, through vLLM's
+`HTTPVLLMWeightSyncClient` and its four routes: builds the engine with vLLM's
+`WeightTransferTrainerFactory` (world size: the trainer and one worker), then
+- MODE `full`: sends every tensor of FILE (one round), prints {"sent": n}, shuts the transfer
+  down on both sides, exits 0;
+- MODE `die`: starts a round, has the workers receive it (`update_weights`, on a thread),
+  broadcasts half the tensors (one broadcast each), prints {"sent": n}, and exits at once with os._exit (a
+  trainer killed between start and finish, after bytes went out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+from safetensors.torch import load_file
+from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+from enginectl.client.transfer_engine import GlooTrainerInitInfo, register
+from enginectl.common.buckets import cut
+
+
+class FileSource(WeightSource):
+    def __init__(self, tensors: dict) -> None:  # type: ignore[type-arg]
+        self.tensors = tensors
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.tensors.items())
+
+
+def main() -> None:
+    url, file, mode = sys.argv[1:4]
+    register()
+    client = HTTPVLLMWeightSyncClient(url, timeout=60)
+    source = FileSource(load_file(file))
+    engine = WeightTransferTrainerFactory.trainer_init(
+        GlooTrainerInitInfo(
+            master_address="127.0.0.1", master_port=0, world_size=2, rank=0, timeout_s=30.0, bucket_bytes=0
+        ),
+        client=client,
+        source=source,
+    )
+    if mode == "full":
+        engine.send_weights()
+        print(json.dumps({"sent": len(source.tensors)}), flush=True)
+        engine.shutdown()
+        client.shutdown_weight_transfer_engine()
+        return
+    tensors = list(source.tensors.values())
+    client.start_weight_update()
+    threading.Thread(target=client.update_weights, args=(engine.update_info(),), daemon=True).start()
+    half = cut([t.numel() * t.element_size() for t in tensors], 0)[: len(tensors) // 2]
+    sent = engine.group.broadcast(tensors, half)
+    print(json.dumps({"sent": sent}), flush=True)
+    os._exit(1)
+
+
+if __name__ == "__main__":
+    main()
