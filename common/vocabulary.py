@@ -103,6 +103,16 @@ class Reason:
     LOAD_FORMAT_UNSUPPORTED = "LOAD_FORMAT_UNSUPPORTED"  # SGLang's load_format: safetensors only
     FLUSH_FAILED = "FLUSH_FAILED"  # vLLM's FlushCache answered success=false
     NOT_SERVING = "NOT_SERVING"  # a liveness probe while gRPC health is NOT_SERVING
+    # vLLM's weight-transfer engines (docs/weights.md, "vLLM's weight-transfer engines")
+    TRANSFER_NOT_CONFIGURED = "TRANSFER_NOT_CONFIGURED"  # served without --weight-transfer-config
+    TRANSFER_INIT_INVALID = "TRANSFER_INIT_INVALID"  # the engine refused the init info
+    TRANSFER_INIT_FAILED = "TRANSFER_INIT_FAILED"  # a worker could not connect
+    TRANSFER_ALREADY_INITIALIZED = "TRANSFER_ALREADY_INITIALIZED"  # init twice without a shutdown
+    TRANSFER_NOT_INITIALIZED = "TRANSFER_NOT_INITIALIZED"  # a round before any init
+    TRANSFER_NOT_STARTED = "TRANSFER_NOT_STARTED"  # a batch or finish without an open round
+    TRANSFER_STEP_TIMEOUT = "TRANSFER_STEP_TIMEOUT"  # the trainer's next step did not come in time
+    TRANSFER_FAILED = "TRANSFER_FAILED"  # the engine failed a batch or the finish
+    STAGE_UNSUPPORTED = "STAGE_UNSUPPORTED"  # stage_only through an engine that can not stage
 
 
 @dataclass(frozen=True)
@@ -122,3 +132,4 @@ class WeightSource(str, enum.Enum):
     DISTRIBUTED = "DISTRIBUTED"
     TENSORS = "TENSORS"
     IPC = "IPC"
+    TRANSFER_ENGINE = "TRANSFER_ENGINE"

@@ -104,6 +104,30 @@ class WorkerRpc(str, enum.Enum):
     STAGE = "enginectl_stage"
     STAGE_RESULT = "enginectl_stage_result"
     DISCARD_STAGED = "enginectl_discard_staged"
+    # vLLM's weight-transfer engine (the worker's own four-step methods), one step per call.
+    TRANSFER = "enginectl_transfer"
+
+
+class TransferStep(str, enum.Enum):
+    """A step of vLLM's weight-transfer API, run by WorkerRpc.TRANSFER on every worker."""
+
+    INIT = "init"  # init_weight_transfer_engine(payload)
+    START = "start"  # start_weight_update()
+    UPDATE = "update"  # update_weights(payload)
+    FINISH = "finish"  # finish_weight_update()
+    ABORT = "abort"  # end an open round without finishing it (enginectl's, not vLLM's)
+    SHUTDOWN = "shutdown"  # shutdown_weight_transfer_engine()
+
+
+class TransferAnswer(msgspec.Struct, frozen=True):
+    """A worker's answer to one TRANSFER step: empty `error` when it ran; `invalid` when the
+    engine refused its arguments before doing anything (vLLM's parse_*_info: ValueError)."""
+
+    dp_rank: int
+    worker_rank: int
+    error: str = ""
+    invalid: bool = False
+    seconds: float = 0.0
 
 
 # --- failure causes ------------------------------------------------------------------------
@@ -129,6 +153,8 @@ class Cause(str, enum.Enum):
     LOAD_FAILED = Reason.LOAD_FAILED
     IPC_HANDLE_UNAVAILABLE = Reason.IPC_HANDLE_UNAVAILABLE  # a worker could not map a handle
     WORKER_TIMEOUT = Reason.WORKER_TIMEOUT  # a worker RPC outlived its timeout (its answer was dropped)
+    TRANSFER_STEP_TIMEOUT = Reason.TRANSFER_STEP_TIMEOUT  # the trainer's next step did not come
+    TRANSFER_FAILED = Reason.TRANSFER_FAILED  # a transfer engine failed a batch or the finish
 
 
 class RankFailure(str, enum.Enum):

@@ -105,3 +105,5 @@ class ServeConfig:
     log_json: bool
     gateway: GatewayConfig | None = None  # None: no --gateway
     allow_vllm_dev_routes: bool = False  # --allow-vllm-dev-routes (docs/http_routes.md)
+    # vLLM's --weight-transfer-config backend (docs/weights.md); None: no transfer engine
+    weight_transfer_backend: str | None = None

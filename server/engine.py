@@ -42,6 +42,8 @@ from enginectl.contract.engine import (
     RankIdentity,
     StageAck,
     StageResult,
+    TransferAnswer,
+    TransferStep,
     Utility,
     VllmUtility,
     WorkerDigest,
@@ -325,6 +327,12 @@ class EngineAdapter:
         the RPC itself (the workers stop at `plan.deadline`)."""
         per_rank = await self._worker_calls.call(WorkerRpc.LOAD, wire(plan), timeout=timeout)
         return [read(LoadResult, worker) for workers in per_rank for worker in workers]
+
+    async def transfer(self, step: TransferStep, payload: Any, timeout: float) -> list[TransferAnswer]:
+        """One step of vLLM's weight-transfer API on every worker (worker/weights/transfer_steps.py);
+        one answer per worker, rank by rank. `timeout` bounds the RPC itself."""
+        per_rank = await self._worker_calls.call(WorkerRpc.TRANSFER, step.value, payload, timeout=timeout)
+        return [read(TransferAnswer, worker) for workers in per_rank for worker in workers]
 
     async def stage(self, plan: LoadPlan) -> list[list[StageAck]]:
         """Every worker starts staging `plan` on a thread of its own and answers at once."""

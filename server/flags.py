@@ -319,7 +319,17 @@ def take_config(args: argparse.Namespace) -> ServeConfig:
         log_json=bool(args.log_json),
         gateway=_gateway_config(args),
         allow_vllm_dev_routes=bool(args.allow_vllm_dev_routes),
+        weight_transfer_backend=_transfer_backend(getattr(args, "weight_transfer_config", None)),
     )
+
+
+def _transfer_backend(config: object) -> str | None:
+    """The backend of vLLM's --weight-transfer-config (its parser gives a WeightTransferConfig,
+    or a dict), None without one."""
+    if config is None:
+        return None
+    backend = config.get("backend", "nccl") if isinstance(config, dict) else getattr(config, "backend", None)
+    return str(backend) if backend is not None else None
 
 
 def configure_engine_args(args: argparse.Namespace, engine_config: EngineConfig) -> None:

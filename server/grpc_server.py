@@ -39,6 +39,7 @@ from enginectl.server.reflection import enable_reflection
 from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.server.weights.operations import OperationStore
 from enginectl.server.weights.services import OperationsServicer, WeightUpdateServicer, WeightVersionServicer
+from enginectl.server.weights.transfer import WeightTransfer
 from enginectl.weights.v1 import (
     weight_update_service_pb2,
     weight_update_service_pb2_grpc,
@@ -121,6 +122,7 @@ class ControlPlaneServer:
         fpm_relay: FpmRelay | None = None,
         identity: IdentitySync | None = None,
         updates: WeightUpdates | None = None,
+        transfer: WeightTransfer | None = None,
         operations: OperationStore | None = None,
         rollouts: RolloutService | None = None,
         health: ServingHealth | None = None,
@@ -203,7 +205,7 @@ class ControlPlaneServer:
             WeightVersionServicer(ledger, updates), server
         )
         weight_update_service_pb2_grpc.add_WeightUpdateServiceServicer_to_server(
-            WeightUpdateServicer(self._server_info(engine_info, token is not None), updates), server
+            WeightUpdateServicer(self._server_info(engine_info, token is not None), updates, transfer), server
         )
         fpm_identity_service_pb2_grpc.add_FpmIdentityServiceServicer_to_server(identity_servicer, server)
         fpm_stream.add_to_server(ForwardPassMetricsServicer(self.fpm_relay), server)

@@ -41,6 +41,7 @@ from enginectl.server.weights.disk import checkpoint_tensors
 from enginectl.server.weights.fingerprints import WeightFingerprints
 from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.server.weights.operations import OperationStore
+from enginectl.server.weights.transfer import WeightTransfer
 from enginectl.server.weights.updates import WeightUpdates
 
 if TYPE_CHECKING:
@@ -138,6 +139,7 @@ async def start_control_plane(
         on_partial=health.set_quarantined,
     )
     await updates.prepare()  # milliseconds
+    transfer = WeightTransfer(engine, updates, config.weight_transfer_backend)
     relay = before.fpm.start(ledger)
     register_fpm_metrics(relay)  # once per process: the relay's counters on vLLM's /metrics
     identity = IdentitySync(
@@ -156,6 +158,7 @@ async def start_control_plane(
         fpm_relay=relay,
         identity=identity,
         updates=updates,
+        transfer=transfer,
         operations=operations,
         rollouts=rollouts,
         health=health,

@@ -8,7 +8,7 @@ of) names the engine it needs without importing another core.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from enginectl.contract.engine import (
     DigestJob,
@@ -22,6 +22,8 @@ from enginectl.contract.engine import (
     RankGenerationState,
     StageAck,
     StageResult,
+    TransferAnswer,
+    TransferStep,
     WorkerDigest,
 )
 from enginectl.server.engine import EngineInfo
@@ -96,3 +98,9 @@ class UpdateEngine(PauseEngine, GroupEngine, FingerprintEngine, StagingEngine, P
     async def load(self, plan: LoadPlan, timeout: float) -> list[LoadResult]: ...
 
     async def set_weight_version(self, version: str) -> None: ...
+
+
+class TransferEngine(Protocol):
+    """A step of vLLM's weight-transfer API on every worker (transfer.py)."""
+
+    async def transfer(self, step: TransferStep, payload: Any, timeout: float) -> list[TransferAnswer]: ...

@@ -37,6 +37,8 @@ CAUSE_CODES: dict[str, grpc.StatusCode] = {
     Cause.LOAD_FAILED: grpc.StatusCode.INTERNAL,
     Cause.IPC_HANDLE_UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,
     Cause.WORKER_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Cause.TRANSFER_STEP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Cause.TRANSFER_FAILED: grpc.StatusCode.INTERNAL,
 }
 
 _CAUSES = frozenset(c.value for c in Cause)

@@ -209,6 +209,11 @@ class UpdateValidator:
             stage_only=request.stage_only,
         )
 
+    def transfer(self, request: pb2.StartWeightUpdateRequest) -> UpdatePlan:
+        """A transfer engine's round (transfer.py): the fields every update has; its tensors
+        are the engine's business (its batches name them)."""
+        return UpdatePlan(WeightSource.TRANSFER_ENGINE, [], [], "", *self._common(request, ""))
+
     def tensors(self, header: pb2.TensorStreamHeader) -> UpdatePlan:
         common = self._common(header, "header.")
         tensors = self.specs_from_proto(header.tensors, "header.tensors")
@@ -261,4 +266,5 @@ UpdateRequest = (
     | pb2.TensorStreamHeader
     | pb2.UpdateWeightsFromIpcRequest
     | pb2.CommitStagedWeightsRequest
+    | pb2.StartWeightUpdateRequest
 )

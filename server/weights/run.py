@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
@@ -36,6 +36,9 @@ from enginectl.server.weights.staging import Feed, Staging
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 log = structlog.get_logger("enginectl.updates")
+
+# A transfer engine's round in place of the workers' LOAD (transfer.py `TransferRound.load`).
+Loader = Callable[["UpdateRun"], Awaitable[list[LoadResult]]]
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class UpdateRun:
         channels: UpdateChannels,
         lock: asyncio.Lock,
         feed: Feed | None,
+        loader: Loader | None = None,
     ) -> None:
         self._parts = parts
         self.op = op
@@ -70,6 +74,9 @@ class UpdateRun:
         self.channels = channels
         self._lock = lock  # taken by WeightUpdates.start, released once the update is recorded
         self._feed = feed
+        # Instead of one LOAD on the workers: a transfer engine's round (transfer.py), which may
+        # replace `plan` (the version its finish names).
+        self._loader = loader
         self.pause = UpdatePause()  # generation as the update found it, and what pausing did
         self.marks: list[tuple[str, float]] = []  # (step, when it ended): the success log's phases
         self._started = 0.0  # monotonic, and the deadline (wall clock): set when the run starts
@@ -96,7 +103,7 @@ class UpdateRun:
             except ControlPlaneError as exc:
                 raise UpdateFailed(Cause.ETAG_MISMATCH, exc.message, modified=False, metadata=exc.metadata) from None
             op.set_phase(pb2.UPDATE_PHASE_RECEIVING if self._feed or plan.group else pb2.UPDATE_PHASE_LOADING)
-            results = await self._load()
+            results = await (self._loader(self) if self._loader is not None else self._load())
             self.marks.append(("load", time.monotonic()))
             errors = [(r.error.cause, r.error.message) for r in results if r.error is not None]
             modified = any(r.weights_modified for r in results)
@@ -139,6 +146,11 @@ class UpdateRun:
                 self._parts.staging.commit_ended(plan.stage_token, op.name)
             if gen.active is op:
                 gen.active = None
+
+    @property
+    def deadline(self) -> float:
+        """When the update's timeout runs out (wall clock), from its start."""
+        return self._deadline
 
     async def _pause(self) -> UpdatePause:
         """Pause generation for the update unless it is paused already: (paused by the update,

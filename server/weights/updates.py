@@ -39,7 +39,7 @@ from enginectl.server.weights.ledger import WeightVersionLedger
 from enginectl.server.weights.operations import OperationStore, UpdateOperation
 from enginectl.server.weights.outcome import report_finished
 from enginectl.server.weights.plans import UpdatePlan, UpdateValidator
-from enginectl.server.weights.run import RunParts, UpdateRun
+from enginectl.server.weights.run import Loader, RunParts, UpdateRun
 from enginectl.server.weights.staging import DEFAULT_TTL_S, STAGED_PREFIX, Feed, StagedSet, Staging
 from enginectl.server.weights.tensor_stream import TensorStream, read_header
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
@@ -103,6 +103,14 @@ class WeightUpdates:
     @property
     def operations(self) -> OperationStore:
         return self._store
+
+    @property
+    def validator(self) -> UpdateValidator:
+        return self._validator
+
+    def check_version(self, version: str | None, etag: str) -> None:
+        """A version to declare and the etag it is fenced with, checked (raises, changes nothing)."""
+        self._ledger.check_write(version=version, etag=etag, request_id="")
 
     @property
     def allowed_roots(self) -> list[Path]:
@@ -221,7 +229,9 @@ class WeightUpdates:
 
     # --- starting an update ------------------------------------------------------------------
 
-    async def start(self, plan: UpdatePlan, feed: Feed | None = None) -> tuple[UpdateOperation, bool]:
+    async def start(
+        self, plan: UpdatePlan, feed: Feed | None = None, loader: Loader | None = None
+    ) -> tuple[UpdateOperation, bool]:
         """Create the Operation and start the update; (operation, started). A retried
         request_id returns the first operation (started=False).
 
@@ -294,7 +304,7 @@ class WeightUpdates:
             tensors=len(plan.tensors),
         )
         channels = UpdateChannels(self._ctx, self._dir, op_id[:36], self._ranks)
-        asyncio.ensure_future(UpdateRun(self._parts, op, plan, channels, lock, feed).run())
+        asyncio.ensure_future(UpdateRun(self._parts, op, plan, channels, lock, feed, loader).run())
         return op, True
 
     async def _stage(self, staged: StagedSet, op: UpdateOperation, plan: UpdatePlan, feed: Feed | None) -> None:

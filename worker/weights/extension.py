@@ -46,6 +46,7 @@ from enginectl.worker.weights.ipc import IpcTensors
 from enginectl.worker.weights.ranks import dp_rank, global_rank
 from enginectl.worker.weights.staging import StagingMixin
 from enginectl.worker.weights.transfer_engine import register as register_transfer_engine
+from enginectl.worker.weights.transfer_steps import TransferMixin
 
 
 @dataclass
@@ -56,7 +57,7 @@ class _LoadState:
     error: LoadError | None = None
 
 
-class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin):
+class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin, TransferMixin):
     """Mixed into vLLM's worker class (`--worker-extension-cls`); see the module docstring."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> EnginectlWorkerExtension:

@@ -172,6 +172,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         received, self._received = self._received, []
         reload_weights(self.vllm_config, self.model, received, None, is_checkpoint_format=True)
 
+    def abort_weight_update(self) -> None:
+        """Drop the round's received tensors (enginectl's ABORT step: worker/weights/transfer_steps.py)."""
+        self._received = []
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's base synchronises the accelerator after the receive; on CPU there is none.
         self.receive_weights(self.parse_update_info(update_info))

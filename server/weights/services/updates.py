@@ -14,6 +14,7 @@ import grpc
 from google.longrunning import operations_pb2
 
 from enginectl.server.interceptors import caller_authenticated
+from enginectl.server.weights.transfer import WeightTransfer
 from enginectl.server.weights.updates import WeightUpdates
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
@@ -23,7 +24,12 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
     """Pause/resume, the four updates and commits (returning Operations), discards, groups,
     GetServerInfo."""
 
-    def __init__(self, info: pb2.GetServerInfoResponse, updates: WeightUpdates | None = None) -> None:
+    def __init__(
+        self,
+        info: pb2.GetServerInfoResponse,
+        updates: WeightUpdates | None = None,
+        transfer: WeightTransfer | None = None,
+    ) -> None:
         self._info = info
         # Where this server reads weights from is for the token's holder only (the proto's
         # allowed_weight_roots): callers without it get the same answer minus that list.
@@ -31,6 +37,12 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
         self._public_info.CopyFrom(info)
         del self._public_info.allowed_weight_roots[:]
         self._updates = updates
+        self._transfer = transfer
+
+    @property
+    def transfer(self) -> WeightTransfer:
+        assert self._transfer is not None  # as `updates`: refused without an engine
+        return self._transfer
 
     @property
     def updates(self) -> WeightUpdates:
@@ -100,3 +112,30 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
         self, request_iterator: AsyncIterator[pb2.UpdateWeightsFromTensorsRequest], context: grpc.aio.ServicerContext
     ) -> operations_pb2.Operation:
         return (await self.updates.update_from_tensors(request_iterator)).proto()
+
+    # --- vLLM's weight-transfer engines (weights/transfer.py) ---------------------------------
+
+    async def InitWeightTransferEngine(
+        self, request: pb2.InitWeightTransferEngineRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.InitWeightTransferEngineResponse:
+        return await self.transfer.init(request)
+
+    async def StartWeightUpdate(
+        self, request: pb2.StartWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> operations_pb2.Operation:
+        return (await self.transfer.start(request)).proto()
+
+    async def UpdateWeights(
+        self, request: pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.UpdateWeightsBatchResponse:
+        return await self.transfer.update(request)
+
+    async def FinishWeightUpdate(
+        self, request: pb2.FinishWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> operations_pb2.Operation:
+        return (await self.transfer.finish(request)).proto()
+
+    async def ShutdownWeightTransferEngine(
+        self, request: pb2.ShutdownWeightTransferEngineRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.ShutdownWeightTransferEngineResponse:
+        return await self.transfer.shutdown(request)

@@ -78,6 +78,7 @@ from enginectl.weights.v1 import weight_version_pb2 as _weight_version_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -2113,3 +2114,239 @@ class GetServerInfoResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetServerInfoResponse: _TypeAlias = GetServerInfoResponse  # noqa: Y015
+
+@_typing.final
+class InitWeightTransferEngineRequest(_message.Message):
+    """InitWeightTransferEngine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INIT_INFO_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def init_info(self) -> _struct_pb2.Struct:
+        """The engine's init info, as vLLM's init_weight_transfer_engine takes it (for `gloo`:
+        master_address, master_port, rank_offset, world_size, group_name, timeout_s).
+        """
+
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """Bound on every worker's init; unset: 60 s."""
+
+    def __init__(
+        self,
+        *,
+        init_info: _struct_pb2.Struct | None = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["init_info", b"init_info", "timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["init_info", b"init_info", "timeout", b"timeout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InitWeightTransferEngineRequest: _TypeAlias = InitWeightTransferEngineRequest  # noqa: Y015
+
+@_typing.final
+class InitWeightTransferEngineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BACKEND_FIELD_NUMBER: _builtins.int
+    NUM_WORKERS_FIELD_NUMBER: _builtins.int
+    backend: _builtins.str
+    """The engine's name in vLLM's factory, e.g. "gloo" or "nccl"."""
+    num_workers: _builtins.int
+    """Workers that ran the init (every worker of every rank)."""
+    def __init__(
+        self,
+        *,
+        backend: _builtins.str = ...,
+        num_workers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "num_workers", b"num_workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InitWeightTransferEngineResponse: _TypeAlias = InitWeightTransferEngineResponse  # noqa: Y015
+
+@_typing.final
+class StartWeightUpdateRequest(_message.Message):
+    """StartWeightUpdate: the fields every update has, and the wait between steps."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    ETAG_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PAUSE_MODE_FIELD_NUMBER: _builtins.int
+    RESET_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    STEP_TIMEOUT_FIELD_NUMBER: _builtins.int
+    STAGE_ONLY_FIELD_NUMBER: _builtins.int
+    weight_version: _builtins.str
+    """Declared on success unless FinishWeightUpdate names another; unset: undeclared."""
+    etag: _builtins.str
+    """Fencing: the round starts only if the version is still this one."""
+    request_id: _builtins.str
+    """A retry with the same id answers the first round's Operation."""
+    pause_mode: Global___PauseMode.ValueType
+    """How generation is paused for the round (KEEP by default)."""
+    reset_prefix_cache: _builtins.bool
+    """Reset the prefix cache after the finish (default true)."""
+    stage_only: _builtins.bool
+    """Refused: FAILED_PRECONDITION STAGE_UNSUPPORTED."""
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """Bound on the whole round, from this call; unset: the server's default update timeout."""
+
+    @_builtins.property
+    def step_timeout(self) -> _duration_pb2.Duration:
+        """Longest wait for the trainer's next step (a batch, or the finish); unset: 60 s, or
+        `timeout` when shorter.
+        """
+
+    def __init__(
+        self,
+        *,
+        weight_version: _builtins.str | None = ...,
+        etag: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        pause_mode: Global___PauseMode.ValueType = ...,
+        reset_prefix_cache: _builtins.bool | None = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+        step_timeout: _duration_pb2.Duration | None = ...,
+        stage_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "reset_prefix_cache", b"reset_prefix_cache", "step_timeout", b"step_timeout", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache", "_weight_version", b"_weight_version", "etag", b"etag", "pause_mode", b"pause_mode", "request_id", b"request_id", "reset_prefix_cache", b"reset_prefix_cache", "stage_only", b"stage_only", "step_timeout", b"step_timeout", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__reset_prefix_cache: _TypeAlias = _typing.Literal["reset_prefix_cache"]  # noqa: Y015
+    _WhichOneofArgType__reset_prefix_cache: _TypeAlias = _typing.Literal["_reset_prefix_cache", b"_reset_prefix_cache"]  # noqa: Y015
+    _WhichOneofReturnType__weight_version: _TypeAlias = _typing.Literal["weight_version"]  # noqa: Y015
+    _WhichOneofArgType__weight_version: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reset_prefix_cache) -> _WhichOneofReturnType__reset_prefix_cache | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__weight_version) -> _WhichOneofReturnType__weight_version | None: ...
+
+Global___StartWeightUpdateRequest: _TypeAlias = StartWeightUpdateRequest  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsRequest(_message.Message):
+    """UpdateWeights: one batch of the open round."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    UPDATE_INFO_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The round's Operation name; empty: the open round."""
+    @_builtins.property
+    def update_info(self) -> _struct_pb2.Value:
+        """The engine's update info for this batch (a map), or a list of them indexed by global
+        worker rank, as vLLM's update_weights takes it.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        update_info: _struct_pb2.Value | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["update_info", b"update_info"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "update_info", b"update_info"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateWeightsRequest: _TypeAlias = UpdateWeightsRequest  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCHES_FIELD_NUMBER: _builtins.int
+    batches: _builtins.int
+    """Batches the round received so far, this one included."""
+    def __init__(
+        self,
+        *,
+        batches: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateWeightsBatchResponse: _TypeAlias = UpdateWeightsBatchResponse  # noqa: Y015
+
+@_typing.final
+class FinishWeightUpdateRequest(_message.Message):
+    """FinishWeightUpdate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    ETAG_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The round's Operation name; empty: the open round."""
+    weight_version: _builtins.str
+    """The version to declare (overrides the start's)."""
+    etag: _builtins.str
+    """Fencing at the finish: the version must still be the one the caller read."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        weight_version: _builtins.str | None = ...,
+        etag: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "weight_version", b"weight_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "etag", b"etag", "name", b"name", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__weight_version: _TypeAlias = _typing.Literal["weight_version"]  # noqa: Y015
+    _WhichOneofArgType__weight_version: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__weight_version) -> _WhichOneofReturnType__weight_version | None: ...
+
+Global___FinishWeightUpdateRequest: _TypeAlias = FinishWeightUpdateRequest  # noqa: Y015
+
+@_typing.final
+class ShutdownWeightTransferEngineRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShutdownWeightTransferEngineRequest: _TypeAlias = ShutdownWeightTransferEngineRequest  # noqa: Y015
+
+@_typing.final
+class ShutdownWeightTransferEngineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    """Whether an init was in effect."""
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShutdownWeightTransferEngineResponse: _TypeAlias = ShutdownWeightTransferEngineResponse  # noqa: Y015

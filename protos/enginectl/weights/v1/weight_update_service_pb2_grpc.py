@@ -97,6 +97,31 @@ class WeightUpdateServiceStub:
                 request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.InitWeightTransferEngine = channel.unary_unary(
+                '/enginectl.weights.v1.WeightUpdateService/InitWeightTransferEngine',
+                request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.InitWeightTransferEngineRequest.SerializeToString,
+                response_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.InitWeightTransferEngineResponse.FromString,
+                _registered_method=True)
+        self.StartWeightUpdate = channel.unary_unary(
+                '/enginectl.weights.v1.WeightUpdateService/StartWeightUpdate',
+                request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.StartWeightUpdateRequest.SerializeToString,
+                response_deserializer=google_dot_longrunning_dot_operations__pb2.Operation.FromString,
+                _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/enginectl.weights.v1.WeightUpdateService/UpdateWeights',
+                request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsBatchResponse.FromString,
+                _registered_method=True)
+        self.FinishWeightUpdate = channel.unary_unary(
+                '/enginectl.weights.v1.WeightUpdateService/FinishWeightUpdate',
+                request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.FinishWeightUpdateRequest.SerializeToString,
+                response_deserializer=google_dot_longrunning_dot_operations__pb2.Operation.FromString,
+                _registered_method=True)
+        self.ShutdownWeightTransferEngine = channel.unary_unary(
+                '/enginectl.weights.v1.WeightUpdateService/ShutdownWeightTransferEngine',
+                request_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.ShutdownWeightTransferEngineRequest.SerializeToString,
+                response_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.ShutdownWeightTransferEngineResponse.FromString,
+                _registered_method=True)
 
 
 class WeightUpdateServiceServicer:
@@ -398,6 +423,66 @@ class WeightUpdateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitWeightTransferEngine(self, request, context):
+        """--- vLLM's weight-transfer engines (docs/weights.md, "vLLM's weight-transfer engines") ---
+
+        The engine named by vLLM's --weight-transfer-config moves the bytes; these RPCs run its
+        four steps with the rules of every update. FAILED_PRECONDITION TRANSFER_NOT_CONFIGURED on
+        a server started without it.
+
+        Once per trainer connection: the engine's init info (vLLM's init_weight_transfer_engine),
+        run on every worker of every rank within `timeout`. INVALID_ARGUMENT
+        TRANSFER_INIT_INVALID when the engine refuses the info (nothing changed);
+        FAILED_PRECONDITION TRANSFER_ALREADY_INITIALIZED until ShutdownWeightTransferEngine;
+        DEADLINE_EXCEEDED / INTERNAL TRANSFER_INIT_FAILED when a worker could not connect.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartWeightUpdate(self, request, context):
+        """Starts one round as an update Operation (source TRANSFER_ENGINE): validated as every
+        update (etag, request_id, pause mode, timeout), one at a time, the ledger's write lock
+        held, generation paused (KEEP by default). The round then waits for the trainer's
+        UpdateWeights batches and FinishWeightUpdate, each within `step_timeout` of the last
+        step, all within `timeout`; else it fails TRANSFER_STEP_TIMEOUT. A failure after the
+        engine wrote into the model follows the partial rule (undeclared, paused, quarantined).
+        stage_only: FAILED_PRECONDITION STAGE_UNSUPPORTED (no engine here stages yet).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeights(self, request, context):
+        """One batch of the open round (vLLM's update_weights), answered once every worker received
+        it. FAILED_PRECONDITION TRANSFER_NOT_STARTED without an open round (or `name` not it),
+        TRANSFER_NOT_INITIALIZED (from StartWeightUpdate) before any init;
+        a batch the engine refuses or fails ends the round (its Operation says why), and this
+        call answers that error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishWeightUpdate(self, request, context):
+        """Ends the open round: the engine's finish, then the cache reset, the version recorded
+        (`weight_version`, or the one given at the start; none: undeclared) and generation
+        resumed; answers the finished Operation. With `etag`, ABORTED ETAG_MISMATCH when the
+        version changed since the caller read it: nothing is recorded and the round stays open
+        (finish again, or let it time out).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShutdownWeightTransferEngine(self, request, context):
+        """Lets the trainer connection go (vLLM's shutdown_weight_transfer_engine).
+        FAILED_PRECONDITION UPDATE_IN_PROGRESS while a round is open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightUpdateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -460,6 +545,31 @@ def add_WeightUpdateServiceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.GetServerInfoRequest.FromString,
                     response_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'InitWeightTransferEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightTransferEngine,
+                    request_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.InitWeightTransferEngineRequest.FromString,
+                    response_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.InitWeightTransferEngineResponse.SerializeToString,
+            ),
+            'StartWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartWeightUpdate,
+                    request_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.StartWeightUpdateRequest.FromString,
+                    response_serializer=google_dot_longrunning_dot_operations__pb2.Operation.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsBatchResponse.SerializeToString,
+            ),
+            'FinishWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishWeightUpdate,
+                    request_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.FinishWeightUpdateRequest.FromString,
+                    response_serializer=google_dot_longrunning_dot_operations__pb2.Operation.SerializeToString,
+            ),
+            'ShutdownWeightTransferEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShutdownWeightTransferEngine,
+                    request_deserializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.ShutdownWeightTransferEngineRequest.FromString,
+                    response_serializer=enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.ShutdownWeightTransferEngineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -788,6 +898,141 @@ class WeightUpdateService:
             '/enginectl.weights.v1.WeightUpdateService/GetServerInfo',
             enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.GetServerInfoRequest.SerializeToString,
             enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightTransferEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/enginectl.weights.v1.WeightUpdateService/InitWeightTransferEngine',
+            enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.InitWeightTransferEngineRequest.SerializeToString,
+            enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.InitWeightTransferEngineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/enginectl.weights.v1.WeightUpdateService/StartWeightUpdate',
+            enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.StartWeightUpdateRequest.SerializeToString,
+            google_dot_longrunning_dot_operations__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/enginectl.weights.v1.WeightUpdateService/UpdateWeights',
+            enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsRequest.SerializeToString,
+            enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.UpdateWeightsBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/enginectl.weights.v1.WeightUpdateService/FinishWeightUpdate',
+            enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.FinishWeightUpdateRequest.SerializeToString,
+            google_dot_longrunning_dot_operations__pb2.Operation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShutdownWeightTransferEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/enginectl.weights.v1.WeightUpdateService/ShutdownWeightTransferEngine',
+            enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.ShutdownWeightTransferEngineRequest.SerializeToString,
+            enginectl_dot_weights_dot_v1_dot_weight__update__service__pb2.ShutdownWeightTransferEngineResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -352,6 +352,46 @@ class WeightUpdateServiceStub:
     """Describes this server: model, parallelism, update backends, auth, versions, limits and
     the RPCs it implements. Read-only; no engine round trip.
     """
+    InitWeightTransferEngine: _grpc.UnaryUnaryMultiCallable[_weight_update_service_pb2.InitWeightTransferEngineRequest, _weight_update_service_pb2.InitWeightTransferEngineResponse]
+    """--- vLLM's weight-transfer engines (docs/weights.md, "vLLM's weight-transfer engines") ---
+
+    The engine named by vLLM's --weight-transfer-config moves the bytes; these RPCs run its
+    four steps with the rules of every update. FAILED_PRECONDITION TRANSFER_NOT_CONFIGURED on
+    a server started without it.
+
+    Once per trainer connection: the engine's init info (vLLM's init_weight_transfer_engine),
+    run on every worker of every rank within `timeout`. INVALID_ARGUMENT
+    TRANSFER_INIT_INVALID when the engine refuses the info (nothing changed);
+    FAILED_PRECONDITION TRANSFER_ALREADY_INITIALIZED until ShutdownWeightTransferEngine;
+    DEADLINE_EXCEEDED / INTERNAL TRANSFER_INIT_FAILED when a worker could not connect.
+    """
+    StartWeightUpdate: _grpc.UnaryUnaryMultiCallable[_weight_update_service_pb2.StartWeightUpdateRequest, _operations_pb2.Operation]
+    """Starts one round as an update Operation (source TRANSFER_ENGINE): validated as every
+    update (etag, request_id, pause mode, timeout), one at a time, the ledger's write lock
+    held, generation paused (KEEP by default). The round then waits for the trainer's
+    UpdateWeights batches and FinishWeightUpdate, each within `step_timeout` of the last
+    step, all within `timeout`; else it fails TRANSFER_STEP_TIMEOUT. A failure after the
+    engine wrote into the model follows the partial rule (undeclared, paused, quarantined).
+    stage_only: FAILED_PRECONDITION STAGE_UNSUPPORTED (no engine here stages yet).
+    """
+    UpdateWeights: _grpc.UnaryUnaryMultiCallable[_weight_update_service_pb2.UpdateWeightsRequest, _weight_update_service_pb2.UpdateWeightsBatchResponse]
+    """One batch of the open round (vLLM's update_weights), answered once every worker received
+    it. FAILED_PRECONDITION TRANSFER_NOT_STARTED without an open round (or `name` not it),
+    TRANSFER_NOT_INITIALIZED (from StartWeightUpdate) before any init;
+    a batch the engine refuses or fails ends the round (its Operation says why), and this
+    call answers that error.
+    """
+    FinishWeightUpdate: _grpc.UnaryUnaryMultiCallable[_weight_update_service_pb2.FinishWeightUpdateRequest, _operations_pb2.Operation]
+    """Ends the open round: the engine's finish, then the cache reset, the version recorded
+    (`weight_version`, or the one given at the start; none: undeclared) and generation
+    resumed; answers the finished Operation. With `etag`, ABORTED ETAG_MISMATCH when the
+    version changed since the caller read it: nothing is recorded and the round stays open
+    (finish again, or let it time out).
+    """
+    ShutdownWeightTransferEngine: _grpc.UnaryUnaryMultiCallable[_weight_update_service_pb2.ShutdownWeightTransferEngineRequest, _weight_update_service_pb2.ShutdownWeightTransferEngineResponse]
+    """Lets the trainer connection go (vLLM's shutdown_weight_transfer_engine).
+    FAILED_PRECONDITION UPDATE_IN_PROGRESS while a round is open.
+    """
 
 @_typing.type_check_only
 class WeightUpdateServiceAsyncStub(WeightUpdateServiceStub):
@@ -605,6 +645,46 @@ class WeightUpdateServiceAsyncStub(WeightUpdateServiceStub):
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_weight_update_service_pb2.GetServerInfoRequest, _weight_update_service_pb2.GetServerInfoResponse]  # type: ignore[assignment]
     """Describes this server: model, parallelism, update backends, auth, versions, limits and
     the RPCs it implements. Read-only; no engine round trip.
+    """
+    InitWeightTransferEngine: _aio.UnaryUnaryMultiCallable[_weight_update_service_pb2.InitWeightTransferEngineRequest, _weight_update_service_pb2.InitWeightTransferEngineResponse]  # type: ignore[assignment]
+    """--- vLLM's weight-transfer engines (docs/weights.md, "vLLM's weight-transfer engines") ---
+
+    The engine named by vLLM's --weight-transfer-config moves the bytes; these RPCs run its
+    four steps with the rules of every update. FAILED_PRECONDITION TRANSFER_NOT_CONFIGURED on
+    a server started without it.
+
+    Once per trainer connection: the engine's init info (vLLM's init_weight_transfer_engine),
+    run on every worker of every rank within `timeout`. INVALID_ARGUMENT
+    TRANSFER_INIT_INVALID when the engine refuses the info (nothing changed);
+    FAILED_PRECONDITION TRANSFER_ALREADY_INITIALIZED until ShutdownWeightTransferEngine;
+    DEADLINE_EXCEEDED / INTERNAL TRANSFER_INIT_FAILED when a worker could not connect.
+    """
+    StartWeightUpdate: _aio.UnaryUnaryMultiCallable[_weight_update_service_pb2.StartWeightUpdateRequest, _operations_pb2.Operation]  # type: ignore[assignment]
+    """Starts one round as an update Operation (source TRANSFER_ENGINE): validated as every
+    update (etag, request_id, pause mode, timeout), one at a time, the ledger's write lock
+    held, generation paused (KEEP by default). The round then waits for the trainer's
+    UpdateWeights batches and FinishWeightUpdate, each within `step_timeout` of the last
+    step, all within `timeout`; else it fails TRANSFER_STEP_TIMEOUT. A failure after the
+    engine wrote into the model follows the partial rule (undeclared, paused, quarantined).
+    stage_only: FAILED_PRECONDITION STAGE_UNSUPPORTED (no engine here stages yet).
+    """
+    UpdateWeights: _aio.UnaryUnaryMultiCallable[_weight_update_service_pb2.UpdateWeightsRequest, _weight_update_service_pb2.UpdateWeightsBatchResponse]  # type: ignore[assignment]
+    """One batch of the open round (vLLM's update_weights), answered once every worker received
+    it. FAILED_PRECONDITION TRANSFER_NOT_STARTED without an open round (or `name` not it),
+    TRANSFER_NOT_INITIALIZED (from StartWeightUpdate) before any init;
+    a batch the engine refuses or fails ends the round (its Operation says why), and this
+    call answers that error.
+    """
+    FinishWeightUpdate: _aio.UnaryUnaryMultiCallable[_weight_update_service_pb2.FinishWeightUpdateRequest, _operations_pb2.Operation]  # type: ignore[assignment]
+    """Ends the open round: the engine's finish, then the cache reset, the version recorded
+    (`weight_version`, or the one given at the start; none: undeclared) and generation
+    resumed; answers the finished Operation. With `etag`, ABORTED ETAG_MISMATCH when the
+    version changed since the caller read it: nothing is recorded and the round stays open
+    (finish again, or let it time out).
+    """
+    ShutdownWeightTransferEngine: _aio.UnaryUnaryMultiCallable[_weight_update_service_pb2.ShutdownWeightTransferEngineRequest, _weight_update_service_pb2.ShutdownWeightTransferEngineResponse]  # type: ignore[assignment]
+    """Lets the trainer connection go (vLLM's shutdown_weight_transfer_engine).
+    FAILED_PRECONDITION UPDATE_IN_PROGRESS while a round is open.
     """
 
 class WeightUpdateServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -928,6 +1008,76 @@ class WeightUpdateServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_weight_update_service_pb2.GetServerInfoResponse, _abc.Awaitable[_weight_update_service_pb2.GetServerInfoResponse]]:
         """Describes this server: model, parallelism, update backends, auth, versions, limits and
         the RPCs it implements. Read-only; no engine round trip.
+        """
+
+    @_abc_1.abstractmethod
+    def InitWeightTransferEngine(
+        self,
+        request: _weight_update_service_pb2.InitWeightTransferEngineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weight_update_service_pb2.InitWeightTransferEngineResponse, _abc.Awaitable[_weight_update_service_pb2.InitWeightTransferEngineResponse]]:
+        """--- vLLM's weight-transfer engines (docs/weights.md, "vLLM's weight-transfer engines") ---
+
+        The engine named by vLLM's --weight-transfer-config moves the bytes; these RPCs run its
+        four steps with the rules of every update. FAILED_PRECONDITION TRANSFER_NOT_CONFIGURED on
+        a server started without it.
+
+        Once per trainer connection: the engine's init info (vLLM's init_weight_transfer_engine),
+        run on every worker of every rank within `timeout`. INVALID_ARGUMENT
+        TRANSFER_INIT_INVALID when the engine refuses the info (nothing changed);
+        FAILED_PRECONDITION TRANSFER_ALREADY_INITIALIZED until ShutdownWeightTransferEngine;
+        DEADLINE_EXCEEDED / INTERNAL TRANSFER_INIT_FAILED when a worker could not connect.
+        """
+
+    @_abc_1.abstractmethod
+    def StartWeightUpdate(
+        self,
+        request: _weight_update_service_pb2.StartWeightUpdateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_operations_pb2.Operation, _abc.Awaitable[_operations_pb2.Operation]]:
+        """Starts one round as an update Operation (source TRANSFER_ENGINE): validated as every
+        update (etag, request_id, pause mode, timeout), one at a time, the ledger's write lock
+        held, generation paused (KEEP by default). The round then waits for the trainer's
+        UpdateWeights batches and FinishWeightUpdate, each within `step_timeout` of the last
+        step, all within `timeout`; else it fails TRANSFER_STEP_TIMEOUT. A failure after the
+        engine wrote into the model follows the partial rule (undeclared, paused, quarantined).
+        stage_only: FAILED_PRECONDITION STAGE_UNSUPPORTED (no engine here stages yet).
+        """
+
+    @_abc_1.abstractmethod
+    def UpdateWeights(
+        self,
+        request: _weight_update_service_pb2.UpdateWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weight_update_service_pb2.UpdateWeightsBatchResponse, _abc.Awaitable[_weight_update_service_pb2.UpdateWeightsBatchResponse]]:
+        """One batch of the open round (vLLM's update_weights), answered once every worker received
+        it. FAILED_PRECONDITION TRANSFER_NOT_STARTED without an open round (or `name` not it),
+        TRANSFER_NOT_INITIALIZED (from StartWeightUpdate) before any init;
+        a batch the engine refuses or fails ends the round (its Operation says why), and this
+        call answers that error.
+        """
+
+    @_abc_1.abstractmethod
+    def FinishWeightUpdate(
+        self,
+        request: _weight_update_service_pb2.FinishWeightUpdateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_operations_pb2.Operation, _abc.Awaitable[_operations_pb2.Operation]]:
+        """Ends the open round: the engine's finish, then the cache reset, the version recorded
+        (`weight_version`, or the one given at the start; none: undeclared) and generation
+        resumed; answers the finished Operation. With `etag`, ABORTED ETAG_MISMATCH when the
+        version changed since the caller read it: nothing is recorded and the round stays open
+        (finish again, or let it time out).
+        """
+
+    @_abc_1.abstractmethod
+    def ShutdownWeightTransferEngine(
+        self,
+        request: _weight_update_service_pb2.ShutdownWeightTransferEngineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weight_update_service_pb2.ShutdownWeightTransferEngineResponse, _abc.Awaitable[_weight_update_service_pb2.ShutdownWeightTransferEngineResponse]]:
+        """Lets the trainer connection go (vLLM's shutdown_weight_transfer_engine).
+        FAILED_PRECONDITION UPDATE_IN_PROGRESS while a round is open.
         """
 
 def add_WeightUpdateServiceServicer_to_server(servicer: WeightUpdateServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -43,6 +43,10 @@ class _WeightSourceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightSo
     """UpdateWeightsFromTensors received the weights over the gRPC stream itself."""
     WEIGHT_SOURCE_IPC: _WeightSource.ValueType  # 5
     """UpdateWeightsFromIpc loaded the weights from the trainer's memory on the same host."""
+    WEIGHT_SOURCE_TRANSFER_ENGINE: _WeightSource.ValueType  # 6
+    """StartWeightUpdate .. FinishWeightUpdate received the weights through vLLM's weight-transfer
+    engine the server was started with (--weight-transfer-config).
+    """
 
 class WeightSource(_WeightSource, metaclass=_WeightSourceEnumTypeWrapper):
     """How the version in effect came to be declared."""
@@ -59,6 +63,10 @@ WEIGHT_SOURCE_TENSORS: WeightSource.ValueType  # 4
 """UpdateWeightsFromTensors received the weights over the gRPC stream itself."""
 WEIGHT_SOURCE_IPC: WeightSource.ValueType  # 5
 """UpdateWeightsFromIpc loaded the weights from the trainer's memory on the same host."""
+WEIGHT_SOURCE_TRANSFER_ENGINE: WeightSource.ValueType  # 6
+"""StartWeightUpdate .. FinishWeightUpdate received the weights through vLLM's weight-transfer
+engine the server was started with (--weight-transfer-config).
+"""
 Global___WeightSource: _TypeAlias = WeightSource  # noqa: Y015
 
 @_typing.final

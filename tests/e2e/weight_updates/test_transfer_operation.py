@@ -1,0 +1,164 @@
+"""vLLM's weight-transfer engine driven as an enginectl update (docs/weights.md, "vLLM's
+weight-transfer engines"): a trainer on vLLM's own trainer-side API, with enginectl's `gloo`
+engine and enginectl's gRPC four-step client, on the session's weights server (served with
+`--weight-transfer-config '{"backend": "gloo"}'`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from google.longrunning import operations_pb2
+from support.serving import ServeProcess
+from support.weight_updates import Stubs
+from support.weights import Checkpoints, greedy_tokens
+from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+from enginectl.client.errors import AbortedError, EnginectlError, FailedPreconditionError
+from enginectl.client.transfer_client import WeightSyncClient
+from enginectl.client.transfer_engine import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine, register
+from enginectl.common.buckets import cut
+from enginectl.weights.v1 import weight_update_service_pb2 as upb
+from enginectl.weights.v1 import weight_version_pb2 as wv
+from enginectl.weights.v1 import weight_version_service_pb2 as vpb
+
+
+class StateDictSource(WeightSource):
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._state.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._state.items())
+
+
+@pytest.fixture(scope="module")
+def sync(weights_server: ServeProcess) -> Iterator[WeightSyncClient]:
+    with WeightSyncClient(weights_server.grpc_target, timeout=60.0, step_timeout=30.0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def trainer(stubs: Stubs, checkpoints: Checkpoints, sync: WeightSyncClient) -> Iterator[Any]:
+    register()
+    workers = stubs.updates.GetServerInfo(upb.GetServerInfoRequest(), timeout=10).num_workers
+    engine = WeightTransferTrainerFactory.trainer_init(
+        GlooTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=1 + workers, rank=0, timeout_s=30.0),
+        client=sync,
+        source=StateDictSource(checkpoints.state_dict("B")),
+    )
+    assert isinstance(engine, GlooTrainerWeightTransferEngine)
+    yield engine
+    engine.shutdown()
+    sync.shutdown_weight_transfer_engine()
+
+
+def broadcast_round(trainer: Any, sync: WeightSyncClient) -> None:
+    """A round's start and its one batch (received beside the broadcast), not finished."""
+    tensors = [t for _, t in trainer.source]
+    sync.start_weight_update()
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            sync.update_weights(trainer.update_info())
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    trainer.group.broadcast(tensors, cut([t.numel() * t.element_size() for t in tensors], trainer.bucket_bytes))
+    thread.join(60)
+    assert not thread.is_alive() and not errors, errors
+
+
+def test_a_vllm_api_trainer_updates_as_an_enginectl_operation(
+    weights_server: ServeProcess,
+    stubs: Stubs,
+    trainer: Any,
+    sync: WeightSyncClient,
+    tokens_a: list[int],
+    tokens_b: list[int],
+) -> None:
+    trainer.send_weights(weight_version="T-1")
+    version = stubs.version()
+    assert (version.declared, version.version, version.source) == (True, "T-1", wv.WEIGHT_SOURCE_TRANSFER_ENGINE)
+    assert greedy_tokens(weights_server) == tokens_b  # the prefix cache was reset
+    assert stubs.verify().verdict == vpb.VERIFY_VERDICT_MATCH
+    result = sync.last_result
+    assert result is not None and result.weight_version.version == "T-1"
+    state = stubs.state()
+    assert not state.paused
+
+
+def test_a_finish_with_a_stale_etag_records_nothing_and_the_round_stays_open(
+    stubs: Stubs, trainer: Any, sync: WeightSyncClient, tokens_a: list[int]
+) -> None:
+    before = stubs.version()
+    broadcast_round(trainer, sync)
+    with pytest.raises(AbortedError) as refused:
+        sync.finish_weight_update("T-stale", etag="not-the-etag")
+    assert refused.value.reason == "ETAG_MISMATCH"
+    assert stubs.version().etag == before.etag
+    sync.finish_weight_update("T-2", etag=before.etag)  # the round was still open
+    assert stubs.version().version == "T-2"
+
+
+def test_steps_out_of_order_are_refused_with_state_unchanged(
+    weights_server: ServeProcess, stubs: Stubs, trainer: Any, sync: WeightSyncClient, tokens_a: list[int]
+) -> None:
+    before = stubs.version()
+    with pytest.raises(FailedPreconditionError) as early:
+        sync.update_weights(trainer.update_info())
+    assert early.value.reason == "TRANSFER_NOT_STARTED"
+    with pytest.raises(FailedPreconditionError) as finish_first:
+        sync.finish_weight_update("T-x")
+    assert finish_first.value.reason == "TRANSFER_NOT_STARTED"
+    with pytest.raises(FailedPreconditionError) as again:
+        sync.init_weight_transfer_engine(
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+        )
+    assert again.value.reason == "TRANSFER_ALREADY_INITIALIZED"
+    staged = WeightSyncClient(weights_server.grpc_target)
+    with pytest.raises(FailedPreconditionError) as stage:
+        staged._call(staged._stub.StartWeightUpdate, upb.StartWeightUpdateRequest(stage_only=True))
+    staged.close()
+    assert stage.value.reason == "STAGE_UNSUPPORTED"
+    sync.start_weight_update()
+    with pytest.raises(EnginectlError) as twice:
+        sync.start_weight_update()
+    assert twice.value.reason == "UPDATE_IN_PROGRESS"
+    stubs.ops.CancelOperation(operations_pb2.CancelOperationRequest(name=sync.operation), timeout=10)
+    cancelled = stubs.wait(operations_pb2.Operation(name=sync.operation), timeout=30)
+    assert "UPDATE_CANCELLED" in str(cancelled.error)
+    assert stubs.version().etag == before.etag
+    assert not stubs.state().paused
+    assert greedy_tokens(weights_server) == tokens_a
+
+
+def test_a_trainer_gone_between_start_and_finish_fails_the_round_in_its_step_timeout(
+    weights_server: ServeProcess, stubs: Stubs, trainer: Any, checkpoints: Checkpoints, tokens_a: list[int]
+) -> None:
+    """The trainer starts a round, sends one batch and goes away: the round fails with
+    TRANSFER_STEP_TIMEOUT in its step timeout. The `gloo` engine had not touched the model
+    (it applies at its finish), so nothing is partial: the version is unchanged and generation
+    resumed; the next round succeeds."""
+    before = stubs.version()
+    with WeightSyncClient(weights_server.grpc_target, timeout=60.0, step_timeout=2.0) as quick:
+        started = time.monotonic()
+        broadcast_round(trainer, quick)
+        done = stubs.wait(operations_pb2.Operation(name=quick.operation), timeout=30)
+        assert time.monotonic() - started < 2.0 + 20.0
+    assert done.error.message and "TRANSFER_STEP_TIMEOUT" in str(done.error)
+    after = stubs.version()
+    assert (after.version, after.etag) == (before.version, before.etag)
+    assert not stubs.state().paused
+    assert greedy_tokens(weights_server) == tokens_a
