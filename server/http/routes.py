@@ -36,6 +36,7 @@ from enginectl.common.vocabulary import Reason
 from enginectl.server.http.answers import error_response, ok, version_json
 from enginectl.server.http.body import GROUP_BACKENDS, LOAD_FORMATS, Body, bad, pause_mode, set_timeout, update_options
 from enginectl.server.http.local_calls import LocalCalls, RouteError
+from enginectl.server.http.transfer_routes import TransferRoutes
 from enginectl.weights.v1 import weight_update_service_pb2 as upd
 from enginectl.weights.v1 import weight_version_service_pb2 as ver
 
@@ -52,12 +53,7 @@ REFUSED = {
     "/wake_up": "reloads weights behind enginectl's ledger",
     "/release_kv_cache_memory": "puts the engine to sleep behind enginectl's pause state",
     "/weight_checker": "resets weights behind enginectl's ledger; VerifyWeights checks them",
-    "/init_weight_transfer_engine": "vLLM's weight-transfer engines are not run through enginectl yet",
-    "/start_weight_update": "vLLM's weight-transfer engines are not run through enginectl yet",
-    "/start_draft_weight_update": "vLLM's weight-transfer engines are not run through enginectl yet",
-    "/update_weights": "vLLM's weight-transfer engines are not run through enginectl yet",
-    "/finish_weight_update": "vLLM's weight-transfer engines are not run through enginectl yet",
-    "/shutdown_weight_transfer_engine": "vLLM's weight-transfer engines are not run through enginectl yet",
+    "/start_draft_weight_update": "a draft model's round is not run through enginectl's ledger yet",
 }
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -425,6 +421,7 @@ class RlRoutes:
             ("/engine/get_weight_version", ("GET", "POST"), self.dynamo_weight_version),
             ("/engine/liveness_probe", ("GET", "POST"), self.liveness_probe),
         ]
+        routes += TransferRoutes(self._calls, self._guard, _updated).table()
         routes += [(path, ("POST",), self.refused(path)) for path in REFUSED]
         return routes
 

@@ -150,6 +150,29 @@ def test_a_state_changing_route_needs_the_token_and_smg_carries_it(
     assert not any(s.state().paused for s in stubs)
 
 
+FOUR_STEPS = [
+    ("/init_weight_transfer_engine", {"init_info": {}}),
+    ("/start_weight_update", {}),
+    ("/update_weights", {"update_info": {}}),
+    ("/finish_weight_update", {}),
+    ("/shutdown_weight_transfer_engine", {}),
+]
+
+
+def test_vllm_four_step_routes_are_enginectl_s_need_the_token_and_name_a_missing_engine(
+    servers: list[ServeProcess], stubs: list[Stubs]
+) -> None:
+    """vLLM's four weight-transfer routes answer as enginectl's (its token, its reasons); these
+    servers run no transfer engine (no --weight-transfer-config), and say so."""
+    before = stubs[0].version()
+    for path, body in FOUR_STEPS:
+        status, answer = call(servers[0].http_url, path, body)
+        assert (status, answer["error"]) == (401, "UNAUTHENTICATED"), path
+        status, answer = call(servers[0].http_url, path, body, token=TOKEN)
+        assert (status, answer["error"]) == (412, "TRANSFER_NOT_CONFIGURED"), path
+    assert stubs[0].version() == before and not stubs[0].state().paused
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
@@ -157,7 +180,7 @@ def test_a_state_changing_route_needs_the_token_and_smg_carries_it(
         ("/sleep", {}),
         ("/wake_up", {}),
         ("/weight_checker", {"action": "reset"}),
-        ("/update_weights", {"update_info": {}}),
+        ("/start_draft_weight_update", {}),
     ],
 )
 def test_vllm_dev_routes_that_would_change_weights_behind_the_ledger_are_refused(

@@ -5,7 +5,7 @@ Runs as `python tests/support/transfer_trainer_proc.py HTTP_URL FILE MODE`, thro
 `WeightTransferTrainerFactory` (world size: the trainer and one worker), then
 - MODE `full`: sends every tensor of FILE (one round), prints {"sent": n}, shuts the transfer
   down on both sides, exits 0;
-- MODE `die`: starts a round, has the workers receive it (`update_weights`, on a thread),
+- MODE `die`: starts a round (printing its Operation's name with the count), has the workers receive it (`update_weights`, on a thread),
   broadcasts half the tensors (one broadcast each), prints {"sent": n}, and exits at once with os._exit (a
   trainer killed between start and finish, after bytes went out).
 """
@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 
+import requests
 from safetensors.torch import load_file
 from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
@@ -56,11 +57,12 @@ def main() -> None:
         client.shutdown_weight_transfer_engine()
         return
     tensors = list(source.tensors.values())
-    client.start_weight_update()
+    started = requests.post(f"{url}/start_weight_update", json={}, timeout=60)
+    started.raise_for_status()
     threading.Thread(target=client.update_weights, args=(engine.update_info(),), daemon=True).start()
     half = cut([t.numel() * t.element_size() for t in tensors], 0)[: len(tensors) // 2]
     sent = engine.group.broadcast(tensors, half)
-    print(json.dumps({"sent": sent}), flush=True)
+    print(json.dumps({"sent": sent, "operation": started.json()["operation"]}), flush=True)
     os._exit(1)
 
 

@@ -1,12 +1,12 @@
 """enginectl's gloo broadcast registered as one of vLLM's weight-transfer engines, driven by a
-trainer written against vLLM's own trainer-side API (docs/weights.md, "vLLM's weight-transfer
-engines").
+trainer written against vLLM's own trainer-side API and its own HTTP client
+(`HTTPVLLMWeightSyncClient`), as SkyRL- or prime-rl-style trainers call it (docs/weights.md,
+"vLLM's weight-transfer engines").
 
-The session's weights server runs with `--weight-transfer-config '{"backend": "gloo"}'` and
-vLLM's dev routes kept (`--allow-vllm-dev-routes`), so vLLM's own four HTTP routes reach the
-engine: the path these tests run is vLLM's, end to end on the CPU build, with enginectl's
-transport under it. Updates through it bypass enginectl's ledger (the version stays, and
-VerifyWeights sees the weights drifted), which the tests assert too.
+The session's weights server runs with `--weight-transfer-config '{"backend": "gloo"}'`;
+vLLM's four routes are enginectl's there (docs/http_routes.md), so each round is an enginectl
+update: the version recorded with its source, the prefix cache reset, generation paused for
+the round and resumed, a failed round leaving the weights whole.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import requests
 import torch
+from google.longrunning import operations_pb2
 from support.serving import ServeProcess
 from support.weight_updates import Stubs
 from support.weights import Checkpoints, greedy_tokens
@@ -30,6 +31,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from enginectl.client.transfer_engine import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine, register
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
+from enginectl.weights.v1 import weight_version_pb2 as wv
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 
 TRAINER_PROC = Path(__file__).parents[2] / "support" / "transfer_trainer_proc.py"
@@ -48,8 +50,10 @@ class StateDictSource(WeightSource):
         return iter(self._state.items())
 
 
-def reset_prefix_cache(server: ServeProcess) -> None:
-    requests.post(f"{server.http_url}/reset_prefix_cache", timeout=30).raise_for_status()
+def wait_for_failed_round(stubs: Stubs, name: str) -> Any:
+    done = stubs.ops.WaitOperation(operations_pb2.WaitOperationRequest(name=name), timeout=60)
+    assert done.done and done.HasField("error"), done
+    return done
 
 
 def run_trainer(server: ServeProcess, file: str, mode: str) -> dict[str, Any]:
@@ -71,15 +75,60 @@ def test_a_trainer_killed_mid_round_leaves_the_weights_untouched(
     """The trainer dies between start and finish, after half the tensors went out: the workers'
     receive fails on the closed connection, the round ends without touching the model (the
     engine serves A, whole), and a new trainer's full round then applies B."""
+    before = stubs.version()
     died = run_trainer(weights_server, str(checkpoints.file("B")), "die")
     assert died["sent"] > 0
+    failed = wait_for_failed_round(stubs, died["operation"])
+    assert "TRANSFER_FAILED" in str(failed.error), failed.error
+    after = stubs.version()
+    assert (after.version, after.etag) == (before.version, before.etag)  # not partial: nothing written
+    assert not stubs.state().paused
     assert greedy_tokens(weights_server) == tokens_a
     assert stubs.verify(full=True).verdict == vpb.VERIFY_VERDICT_MATCH
     # The dead trainer's group is still the engine's: let it go, then a new trainer joins.
     requests.post(f"{weights_server.http_url}/shutdown_weight_transfer_engine", timeout=60).raise_for_status()
     run_trainer(weights_server, str(checkpoints.file("B")), "full")
-    reset_prefix_cache(weights_server)
     assert greedy_tokens(weights_server) == tokens_b
+    assert not stubs.version().declared  # the trainer finished without a version
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "reason"),
+    [
+        ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1"}}, 400, "TRANSFER_INIT_INVALID"),
+        (
+            "/init_weight_transfer_engine",
+            {"init_info": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2}},
+            400,
+            "TRANSFER_INIT_INVALID",
+        ),
+        (
+            "/update_weights",
+            {"update_info": {"names": ["x"], "dtype_names": [], "shapes": []}},
+            412,
+            "TRANSFER_NOT_STARTED",
+        ),
+        ("/finish_weight_update", None, 412, "TRANSFER_NOT_STARTED"),
+    ],
+    ids=["init-missing-fields", "init-rank-offset-0", "update-before-start", "finish-before-start"],
+)
+def test_bad_four_step_calls_are_refused_and_change_nothing(
+    weights_server: ServeProcess,
+    stubs: Stubs,
+    tokens_a: list[int],
+    path: str,
+    body: dict[str, Any] | None,
+    status: int,
+    reason: str,
+) -> None:
+    """Malformed init info (refused by the engine's own parse, before any worker connects) and
+    steps out of order: each its reason, the engine serving the same weights."""
+    before = stubs.version()
+    response = requests.post(f"{weights_server.http_url}{path}", json=body, timeout=60)
+    assert (response.status_code, response.json()["error"]) == (status, reason), response.text
+    assert stubs.version() == before and not stubs.state().paused
+    assert greedy_tokens(weights_server) == tokens_a
+    assert stubs.verify().verdict == vpb.VERIFY_VERDICT_MATCH
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +151,23 @@ def trainer(weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints
 def test_vllm_trainer_api_updates_through_the_gloo_engine(
     weights_server: ServeProcess, stubs: Stubs, trainer: Any, tokens_a: list[int], tokens_b: list[int]
 ) -> None:
-    before = stubs.version()
+    """vLLM's HTTP client's finish_weight_update(version) declares it through the ledger."""
+    trainer.send_weights(weight_version="H-1")
+    version = stubs.version()
+    assert (version.declared, version.version, version.source) == (True, "H-1", wv.WEIGHT_SOURCE_TRANSFER_ENGINE)
+    assert greedy_tokens(weights_server) == tokens_b  # enginectl reset the prefix cache
+    assert stubs.verify().verdict == vpb.VERIFY_VERDICT_MATCH
+    assert not stubs.state().paused
+
+
+def test_a_round_without_a_version_leaves_the_weights_undeclared(
+    weights_server: ServeProcess, stubs: Stubs, trainer: Any, tokens_a: list[int], tokens_b: list[int]
+) -> None:
+    """vLLM's trainer engines finish without a version: new weights never keep an old label."""
     trainer.send_weights()
-    reset_prefix_cache(weights_server)  # vLLM's own path leaves that to the caller
+    assert not stubs.version().declared
+    assert stubs.verify().verdict == vpb.VERIFY_VERDICT_UNDECLARED
     assert greedy_tokens(weights_server) == tokens_b
-    # vLLM's own routes change the weights behind enginectl's ledger, and it says so.
-    after = stubs.version()
-    assert (after.version, after.etag) == (before.version, before.etag)
-    assert stubs.verify().verdict == vpb.VERIFY_VERDICT_DRIFTED
 
 
 def test_a_second_round_reuses_the_group(
@@ -120,31 +178,7 @@ def test_a_second_round_reuses_the_group(
     info = trainer.update_info()
     assert set(info) == {"names", "dtype_names", "shapes", "bucket_bytes"}
     assert len(info["names"]) == len(info["shapes"]) > 0
-    for _ in range(2):
-        trainer.send_weights()
-        reset_prefix_cache(weights_server)
+    for round_ in range(2):
+        trainer.send_weights(weight_version=f"H-{round_}")
         assert greedy_tokens(weights_server) == tokens_b
-
-
-@pytest.mark.parametrize(
-    ("path", "body"),
-    [
-        ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1"}}),
-        (
-            "/init_weight_transfer_engine",
-            {"init_info": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2}},
-        ),
-        ("/update_weights", {"update_info": {"names": ["x"], "dtype_names": [], "shapes": []}}),
-        ("/finish_weight_update", None),
-    ],
-    ids=["init-missing-fields", "init-rank-offset-0", "update-before-start", "finish-before-start"],
-)
-def test_bad_four_step_calls_are_refused_and_change_nothing(
-    weights_server: ServeProcess, stubs: Stubs, tokens_a: list[int], path: str, body: dict[str, Any] | None
-) -> None:
-    """Malformed init or update info, and steps out of order, are refused by the engine (or
-    vLLM's worker) before anything is received: the engine keeps serving the same weights."""
-    response = requests.post(f"{weights_server.http_url}{path}", json=body, timeout=60)
-    assert response.status_code >= 400, response.text
-    assert greedy_tokens(weights_server) == tokens_a
-    assert stubs.verify().verdict == vpb.VERIFY_VERDICT_MATCH
+        assert stubs.version().version == f"H-{round_}"
