@@ -39,6 +39,7 @@ from typing import Any
 from bench.lib import checkpoints
 from bench.lib.lines import emit
 from bench.weights import floors
+from bench.weights.transfer import measure_transfer
 from enginectl.client.trainer import DEFAULT_BUCKET_BYTES
 from enginectl.common import buckets
 
@@ -235,6 +236,9 @@ def run(target: str, http_port: int, vllm_http_port: int, model: Path, reps: int
         if "NCCL" in client.get_server_info().backends and _has_cuda():
             results["nccl"] = measure_nccl(client, named, payload, reps)
         results["ipc"] = measure_ipc(client, http_port, str(file), named, payload, reps)
+        workers = client.get_server_info().num_workers
+    rounds = measure_transfer(target, lambda path, body: http_json(http_port, path, body), named, workers, reps)
+    results["transfer"] = {way: summary(times, payload) for way, times in rounds.items()}
     results["memcpy_floor"] = copy.result()
     return results
 

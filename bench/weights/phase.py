@@ -22,6 +22,7 @@ from typing import Any
 from bench.lib.checkpoints import Checkpoint, checkpoints
 from bench.lib.progress import log
 from bench.staging import phase as staging
+from bench.weights.transfer import transfer_rows
 
 PAUSE_TARGET_FLOORS = 1.5  # pause + resume within 1.5x two engine round trips
 TARGETS = {"disk": 0.9, "gloo": 0.9, "nccl": 0.9, "tensors": 0.8, "ipc": 0.9}
@@ -54,7 +55,14 @@ def measure(ckpt: Checkpoint, model: Path, quick: bool, vllm_http_port: int) -> 
 
     server = model_server(
         model,
-        ["--allow-weights-from", str(model), "--worker-extension-cls", "bench.lib.worker_ext.BenchWorkerExtension"],
+        [
+            "--allow-weights-from",
+            str(model),
+            "--worker-extension-cls",
+            "bench.lib.worker_ext.BenchWorkerExtension",
+            "--weight-transfer-config",
+            '{"backend": "gloo"}',
+        ],
     )
     server.name = f"enginectl-weights-{ckpt.key}"
     server.keep_lines = True  # the "weights updated" events: where each update's time went
@@ -211,6 +219,23 @@ def _checkpoint_figures(key: str, ck: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": ratio >= TARGETS[kind],
                 "floor_value": copy["gb_per_s"],
                 "floor": floor,
+            }
+        )
+    for figure, baseline, ours_ms, base_ms in transfer_rows(ck):
+        native = baseline.startswith("vLLM's native")
+        out.append(
+            {
+                "figure": f"{figure}, {what}",
+                "checkpoint": key,
+                "baseline": baseline,
+                "baseline_value": base_ms,
+                "enginectl_value": ours_ms,
+                "unit": "ms",
+                "ratio": _ratio(ours_ms, base_ms),
+                "target": "<= 1.05" if native else "reported",
+                "met": _ratio(ours_ms, base_ms) <= 1.05 if native else True,
+                "floor_value": base_ms,
+                "floor": "the same engine and checkpoint, alternating blocks (bench/weights/transfer.py)",
             }
         )
     if "staging" in ck:
