@@ -84,8 +84,20 @@ class TransferRound:
         self._steps.put_nowait(_Step(TransferStep.ABORT, (cause, message)))
 
     async def _put(self, step: _Step) -> Any:
+        """Queue `step` for the round and wait for its answer; a round that ended meanwhile
+        (a step sent just as it timed out) answers with its error."""
+        assert self.op is not None
         self._steps.put_nowait(step)
-        return await asyncio.shield(step.done)
+        ended = asyncio.ensure_future(self.op.finished.wait())
+        try:
+            await asyncio.wait({step.done, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+        if step.done.done():
+            return step.done.result()
+        raise self.op.failure or ControlPlaneError(
+            grpc.StatusCode.FAILED_PRECONDITION, Reason.TRANSFER_NOT_STARTED, f"{self.op.name} ended"
+        )
 
     # --- the round (UpdateRun's load) --------------------------------------------------------
 
@@ -122,8 +134,7 @@ class TransferRound:
                 ]
         except BaseException as exc:
             await self._abort_workers()
-            failure = exc if isinstance(exc, UpdateFailed) else None
-            self._fail_pending(step, failure, run)
+            self._fail_pending(step, exc, run)
             raise
 
     async def _next(self, run: UpdateRun, last: str) -> _Step:
@@ -150,7 +161,13 @@ class TransferRound:
         if writes:
             self.modified = True  # what the engine wrote before a failure is unknown
         timeout = max(run.deadline - time.time(), 0.0) + LOAD_RPC_GRACE_S
-        answers = await self._engine.transfer(kind, payload, timeout)
+        try:
+            answers = await self._engine.transfer(kind, payload, timeout)
+        except ControlPlaneError as exc:
+            if exc.reason != Reason.WORKER_TIMEOUT:
+                raise
+            # A worker still in the step when its call's timeout passed: what it wrote is unknown.
+            raise UpdateFailed(Cause.WORKER_TIMEOUT, exc.message, modified=self.modified) from None
         failed = [a for a in answers if a.error]
         if failed:
             if all(a.invalid for a in failed) and kind == TransferStep.UPDATE and not self._applies_at_finish:
@@ -178,13 +195,14 @@ class TransferRound:
         except ControlPlaneError:
             pass  # the engine died or a worker hung: the round's error says what happened first
 
-    def _fail_pending(self, step: _Step | None, failure: UpdateFailed | None, run: UpdateRun) -> None:
+    def _fail_pending(self, step: _Step | None, exc: BaseException, run: UpdateRun) -> None:
         """Every trainer call still waiting gets the round's error."""
-        error = (
-            failure.error(run.op.name)
-            if failure is not None
-            else ControlPlaneError(grpc.StatusCode.INTERNAL, Reason.TRANSFER_FAILED, "the round ended unexpectedly")
-        )
+        if isinstance(exc, UpdateFailed):
+            error = exc.error(run.op.name)
+        elif isinstance(exc, ControlPlaneError):
+            error = exc
+        else:
+            error = ControlPlaneError(grpc.StatusCode.INTERNAL, Reason.TRANSFER_FAILED, "the round ended unexpectedly")
         waiting = [step] if step is not None else []
         while not self._steps.empty():
             waiting.append(self._steps.get_nowait())

@@ -5,7 +5,8 @@ server/weights/engine_protocols.py) over a few fields, and records every call, s
 pure logic (pause modes, auto-pause and resume, one update at a time, the partial-update rule,
 ordering with a declaration) run without vLLM. The real-engine tests (tests/e2e/) cover the
 same rules end to end; this double only stands in for speed and for states that are hard to
-reach on purpose (a load that fails after writing, a load held mid-way).
+reach on purpose (a load that fails after writing, a load held mid-way, a transfer engine that
+writes as it receives, which only a GPU runs).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from enginectl.contract.engine import (
     LoadResult,
     PauseReason,
     RankGenerationState,
+    TransferAnswer,
+    TransferStep,
     WorkerDigest,
 )
 from enginectl.server.engine import EngineInfo
@@ -69,6 +72,8 @@ class EngineDouble:
         )
     )
     errored: bool = False
+    transfer_failures: dict[TransferStep, str] = field(default_factory=dict)  # step -> its error
+    transfer_writes_before_failing: bool = True
 
     # --- generation --------------------------------------------------------------------
 
@@ -129,6 +134,15 @@ class EngineDouble:
             self.weights = "+".join(t.name for t in plan.tensors)
         error = LoadError(script.error, "scripted failure") if script.error is not None else None
         return [LoadResult(0, 0, len(plan.tensors) if error is None else 0, 0, script.modified, 0.01, error)]
+
+    async def transfer(self, step: TransferStep, payload: object, timeout: float) -> list[TransferAnswer]:
+        """A transfer step (server/weights/transfer.py): fails with `transfer_failures[step]`
+        where set; an UPDATE or FINISH that runs changes the weights."""
+        self.calls.append(f"transfer:{step.value}")
+        error = self.transfer_failures.get(step, "")
+        if step in (TransferStep.UPDATE, TransferStep.FINISH) and (not error or self.transfer_writes_before_failing):
+            self.weights = f"transfer-{step.value}"
+        return [TransferAnswer(0, 0, error)]
 
     async def finish_update(self, request: FinishUpdate) -> list[list[WorkerDigest]]:
         self.calls.append(f"finish_update:resume={request.resume}")
