@@ -26,11 +26,13 @@ reused buffer); the workers' side is worker/weights/transfer_engine.py (docs/wei
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
@@ -60,6 +62,20 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     group_name: str = DEFAULT_GROUP
     timeout_s: float = 60.0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+class StateDictSource(WeightSource):
+    """A state dict (or `(name, tensor)` pairs) as vLLM's WeightSource, in its order: for a
+    trainer whose weights are not one `nn.Module` (vLLM's `ModuleSource` takes that)."""
+
+    def __init__(self, state: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        self._pairs = list(state.items() if isinstance(state, Mapping) else state)
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._pairs]
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(self._pairs)
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):

@@ -17,23 +17,10 @@ checkpoint two ways, in alternating blocks on the same engine:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 BLOCKS = 2  # alternating blocks of each way (a switch re-initialises the engine)
-
-
-def _source(named: list[tuple[str, Any]]) -> Any:
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
-    class PairsSource(WeightSource):
-        def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in named]
-
-        def __iter__(self) -> Iterator[tuple[str, Any]]:
-            return iter(named)
-
-    return PairsSource()
 
 
 class CollectiveRpcClient:
@@ -69,10 +56,10 @@ def measure_transfer(
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from enginectl.client.transfer_client import WeightSyncClient
-    from enginectl.client.transfer_engine import GlooTrainerInitInfo, register
+    from enginectl.client.transfer_engine import GlooTrainerInitInfo, StateDictSource, register
 
     register()
-    source = _source(named)
+    source = StateDictSource(named)
     info = GlooTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=1 + workers, rank=0, timeout_s=300)
     times: dict[str, list[float]] = {"vllm_native": [], "enginectl": []}
     per_block = max(1, reps // BLOCKS)

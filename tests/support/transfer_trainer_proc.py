@@ -20,29 +20,18 @@ import threading
 import requests
 from safetensors.torch import load_file
 from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-from enginectl.client.transfer_engine import GlooTrainerInitInfo, register
+from enginectl.client.transfer_engine import GlooTrainerInitInfo, StateDictSource, register
 from enginectl.common.buckets import cut
-
-
-class FileSource(WeightSource):
-    def __init__(self, tensors: dict) -> None:  # type: ignore[type-arg]
-        self.tensors = tensors
-
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.tensors.items())
 
 
 def main() -> None:
     url, file, mode = sys.argv[1:4]
     register()
     client = HTTPVLLMWeightSyncClient(url, timeout=60)
-    source = FileSource(load_file(file))
+    tensors = load_file(file)
+    source = StateDictSource(tensors)
     engine = WeightTransferTrainerFactory.trainer_init(
         GlooTrainerInitInfo(
             master_address="127.0.0.1", master_port=0, world_size=2, rank=0, timeout_s=30.0, bucket_bytes=0
@@ -52,16 +41,16 @@ def main() -> None:
     )
     if mode == "full":
         engine.send_weights()
-        print(json.dumps({"sent": len(source.tensors)}), flush=True)
+        print(json.dumps({"sent": len(tensors)}), flush=True)
         engine.shutdown()
         client.shutdown_weight_transfer_engine()
         return
-    tensors = list(source.tensors.values())
+    values = list(tensors.values())
     started = requests.post(f"{url}/start_weight_update", json={}, timeout=60)
     started.raise_for_status()
     threading.Thread(target=client.update_weights, args=(engine.update_info(),), daemon=True).start()
-    half = cut([t.numel() * t.element_size() for t in tensors], 0)[: len(tensors) // 2]
-    sent = engine.group.broadcast(tensors, half)
+    half = cut([t.numel() * t.element_size() for t in values], 0)[: len(values) // 2]
+    sent = engine.group.broadcast(values, half)
     print(json.dumps({"sent": sent, "operation": started.json()["operation"]}), flush=True)
     os._exit(1)
 

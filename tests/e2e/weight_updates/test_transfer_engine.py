@@ -20,34 +20,24 @@ from typing import Any
 
 import pytest
 import requests
-import torch
 from google.longrunning import operations_pb2
 from support.serving import ServeProcess
 from support.weight_updates import Stubs
 from support.weights import Checkpoints, greedy_tokens
 from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-from enginectl.client.transfer_engine import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine, register
+from enginectl.client.transfer_engine import (
+    GlooTrainerInitInfo,
+    GlooTrainerWeightTransferEngine,
+    StateDictSource,
+    register,
+)
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_pb2 as wv
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 
 TRAINER_PROC = Path(__file__).parents[2] / "support" / "transfer_trainer_proc.py"
-
-
-class StateDictSource(WeightSource):
-    """A trainer's weights as vLLM's WeightSource: a state dict, in its order."""
-
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        self._state = state
-
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._state.items()]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self._state.items())
 
 
 def wait_for_failed_round(stubs: Stubs, name: str) -> Any:

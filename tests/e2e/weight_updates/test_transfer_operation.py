@@ -12,32 +12,24 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 from google.longrunning import operations_pb2
 from support.serving import ServeProcess
 from support.weight_updates import Stubs
 from support.weights import Checkpoints, greedy_tokens
 from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from enginectl.client.errors import AbortedError, EnginectlError, FailedPreconditionError
 from enginectl.client.transfer_client import WeightSyncClient
-from enginectl.client.transfer_engine import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine, register
+from enginectl.client.transfer_engine import (
+    GlooTrainerInitInfo,
+    GlooTrainerWeightTransferEngine,
+    StateDictSource,
+    register,
+)
 from enginectl.common.buckets import cut
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_pb2 as wv
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
-
-
-class StateDictSource(WeightSource):
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        self._state = state
-
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._state.items()]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self._state.items())
 
 
 @pytest.fixture(scope="module")
