@@ -108,6 +108,10 @@ class WorkerRpc(str, enum.Enum):
     TRANSFER = "enginectl_transfer"
 
 
+# enginectl's weight-transfer engine, in vLLM's factory (worker/weights/transfer_engine.py).
+GLOO_TRANSFER_BACKEND: Final = "gloo"
+
+
 class TransferStep(str, enum.Enum):
     """A step of vLLM's weight-transfer API, run by WorkerRpc.TRANSFER on every worker."""
 

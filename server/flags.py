@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from enginectl.common.gateway import advertise_host
+from enginectl.contract.engine import GLOO_TRANSFER_BACKEND
 from enginectl.server.config import (
     FpmRelayConfig,
     GatewayConfig,
@@ -328,8 +329,25 @@ def _transfer_backend(config: object) -> str | None:
     or a dict), None without one."""
     if config is None:
         return None
-    backend = config.get("backend", "nccl") if isinstance(config, dict) else getattr(config, "backend", None)
-    return str(backend) if backend is not None else None
+    backend = config.get("backend", "nccl") if isinstance(config, dict) else getattr(config, "backend", "nccl")
+    known = _transfer_backends()
+    if backend not in known:
+        # vLLM would fail each worker at load, after the engine's slow start: say it now.
+        raise SystemExit(
+            f"enginectl serve: --weight-transfer-config backend {backend!r} is not a weight-transfer engine "
+            f"(known here: {', '.join(sorted(known))})"
+        )
+    return str(backend)
+
+
+def _transfer_backends() -> set[str]:
+    """The engines vLLM's factory knows (its built-ins, any a vLLM general plugin registers)
+    and enginectl's own, which its worker extension registers in every worker."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    return set(getattr(WeightTransferEngineFactory, "_registry", {})) | {GLOO_TRANSFER_BACKEND}
 
 
 def configure_engine_args(args: argparse.Namespace, engine_config: EngineConfig) -> None:

@@ -29,7 +29,14 @@ import grpc
 from google.protobuf import json_format
 
 from enginectl.common import dtypes
-from enginectl.contract.engine import LOAD_RPC_GRACE_S, Cause, LoadResult, TransferAnswer, TransferStep
+from enginectl.contract.engine import (
+    GLOO_TRANSFER_BACKEND,
+    LOAD_RPC_GRACE_S,
+    Cause,
+    LoadResult,
+    TransferAnswer,
+    TransferStep,
+)
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.weights.convert import parse_timeout
 from enginectl.server.weights.engine_protocols import TransferEngine
@@ -42,7 +49,7 @@ if TYPE_CHECKING:
     from enginectl.server.weights.updates import WeightUpdates
 
 # Engines that touch the model only in their finish (a failed batch leaves it whole).
-APPLIES_AT_FINISH = frozenset({"gloo"})
+APPLIES_AT_FINISH = frozenset({GLOO_TRANSFER_BACKEND})
 INIT_TIMEOUT_S = 60.0
 STEP_TIMEOUT_S = 60.0  # default longest wait for the trainer's next step (a batch, the finish)
 ABORT_TIMEOUT_S = 10.0

@@ -152,3 +152,19 @@ def test_taken_grpc_port_fails_fast_before_the_engine_starts(serve_env: dict[str
     assert result.returncode != 0
     assert f"gRPC port 127.0.0.1:{taken} is not available" in result.stderr + result.stdout
     assert "EngineCore" not in result.stdout + result.stderr  # refused before any engine process
+
+
+def test_an_unknown_weight_transfer_backend_is_refused_before_the_engine_starts(serve_env: dict[str, str]) -> None:
+    result = subprocess.run(
+        [str(BIN / "enginectl"), "serve", "--grpc-port", "0", "--http-port", "0"]
+        + ["--weight-transfer-config", '{"backend": "carrier-pigeon"}'],
+        env=serve_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    message = result.stderr + result.stdout
+    assert "backend 'carrier-pigeon' is not a weight-transfer engine" in message
+    assert "gloo" in message and "nccl" in message
+    assert "Creating weight transfer engine" not in message  # refused before any worker

@@ -39,10 +39,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from enginectl.common import dtypes
-from enginectl.contract.engine import Backend, GroupSpec, TensorSpec
+from enginectl.contract.engine import GLOO_TRANSFER_BACKEND, Backend, GroupSpec, TensorSpec
 from enginectl.worker.weights.groups import _Group, _Join, _run_join, received_broadcast
 
-BACKEND = "gloo"  # the name in vLLM's factory, and in --weight-transfer-config
+BACKEND = GLOO_TRANSFER_BACKEND  # the name in vLLM's factory, and in --weight-transfer-config
 DEFAULT_GROUP = "vllm-weight-transfer"
 JOIN_MARGIN_S = 2.0  # past the rendezvous timeout, the join thread is given up on
 
