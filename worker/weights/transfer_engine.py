@@ -170,6 +170,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         received, self._received = self._received, []
+        if not received:  # a round with no batch: nothing to apply (an empty reload is not a no-op)
+            return
         reload_weights(self.vllm_config, self.model, received, None, is_checkpoint_format=True)
 
     def abort_weight_update(self) -> None:

@@ -154,3 +154,15 @@ def test_a_trainer_gone_between_start_and_finish_fails_the_round_in_its_step_tim
     assert (after.version, after.etag) == (before.version, before.etag)
     assert not stubs.state().paused
     assert greedy_tokens(weights_server) == tokens_a
+
+
+def test_a_round_with_no_batch_declares_and_leaves_the_weights(
+    weights_server: ServeProcess, stubs: Stubs, trainer: Any, sync: WeightSyncClient, tokens_a: list[int]
+) -> None:
+    """start then finish: the `gloo` engine has nothing to apply (an empty reload would not be
+    a no-op), the version is recorded over the same weights."""
+    sync.start_weight_update()
+    sync.finish_weight_update("T-empty")
+    assert stubs.version().version == "T-empty"
+    assert greedy_tokens(weights_server) == tokens_a
+    assert stubs.verify(full=True).verdict == vpb.VERIFY_VERDICT_MATCH
