@@ -32,6 +32,7 @@ from enginectl.common import dtypes
 from enginectl.contract.engine import (
     GLOO_TRANSFER_BACKEND,
     LOAD_RPC_GRACE_S,
+    QUICK_RPC_TIMEOUT_S,
     Cause,
     LoadResult,
     TransferAnswer,
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 APPLIES_AT_FINISH = frozenset({GLOO_TRANSFER_BACKEND})
 INIT_TIMEOUT_S = 60.0
 STEP_TIMEOUT_S = 60.0  # default longest wait for the trainer's next step (a batch, the finish)
-ABORT_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -111,7 +111,6 @@ class TransferRound:
     async def load(self, run: UpdateRun) -> list[LoadResult]:
         run.op.on_abort = self.abort
         started = time.monotonic()
-        answers: list[TransferAnswer] = []
         step: _Step | None = None
         try:
             await self._run_step(run, TransferStep.START, None, writes=False)
@@ -198,7 +197,7 @@ class TransferRound:
 
     async def _abort_workers(self) -> None:
         try:
-            await self._engine.transfer(TransferStep.ABORT, None, ABORT_TIMEOUT_S)
+            await self._engine.transfer(TransferStep.ABORT, None, QUICK_RPC_TIMEOUT_S)
         except ControlPlaneError:
             pass  # the engine died or a worker hung: the round's error says what happened first
 
@@ -264,7 +263,7 @@ class WeightTransfer:
         answers = await self._engine.transfer(TransferStep.INIT, info, timeout + LOAD_RPC_GRACE_S)
         failed = [a for a in answers if a.error]
         if failed:
-            await self._engine.transfer(TransferStep.SHUTDOWN, None, ABORT_TIMEOUT_S)  # the workers that joined
+            await self._engine.transfer(TransferStep.SHUTDOWN, None, QUICK_RPC_TIMEOUT_S)  # the workers that joined
             first = failed[0]
             if all(a.invalid for a in failed):
                 raise invalid_field(Reason.TRANSFER_INIT_INVALID, "init_info", first.error)
@@ -322,7 +321,7 @@ class WeightTransfer:
         if self._round is not None and self._round.op is not None and not self._round.op.done:
             raise self._updates.generation.in_progress("a transfer round is open")
         found, self.initialized = self.initialized, False
-        answers = await self._engine.transfer(TransferStep.SHUTDOWN, None, ABORT_TIMEOUT_S)
+        answers = await self._engine.transfer(TransferStep.SHUTDOWN, None, QUICK_RPC_TIMEOUT_S)
         failed = [a for a in answers if a.error]
         if failed:
             raise ControlPlaneError(grpc.StatusCode.INTERNAL, Reason.TRANSFER_FAILED, failed[0].error)
