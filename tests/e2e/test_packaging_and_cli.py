@@ -168,3 +168,21 @@ def test_an_unknown_weight_transfer_backend_is_refused_before_the_engine_starts(
     assert "backend 'carrier-pigeon' is not a weight-transfer engine" in message
     assert "gloo" in message and "nccl" in message
     assert "Creating weight transfer engine" not in message  # refused before any worker
+
+
+def test_vllm_general_plugins_register_the_gloo_engine_in_a_process_enginectl_never_imported() -> None:
+    """What plain `vllm serve` and vLLM's trainer-side API see: enginectl's entry points in the
+    `vllm.general_plugins` group put `gloo` in both of vLLM's factories; nothing else does."""
+    code = (
+        "import sys\n"
+        "from vllm.distributed.weight_transfer.factory import (\n"
+        "    WeightTransferEngineFactory as E, WeightTransferTrainerFactory as T)\n"
+        "before = ('gloo' in E._registry, 'gloo' in T._registry)\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "print(before, 'gloo' in E._registry, 'gloo' in T._registry)\n"
+        "E._registry['gloo']()\n"  # the loader imports the engine's module: it resolves
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "(False, False) True True"
