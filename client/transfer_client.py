@@ -31,8 +31,10 @@ GRACE_S = 30.0  # past a round's own timeout, for the finish's answer
 class WeightSyncClient:
     """One server's four steps. Per round: `pause_mode`, `timeout` (the whole round) and
     `step_timeout` (the longest wait for the trainer's next step); `etag` fences the round's
-    start and finish (`finish_weight_update(version, etag=...)` overrides it). After a round,
-    `last_result` is its UpdateResult."""
+    start and finish (`finish_weight_update(version, etag=...)` overrides it). With
+    `stage_only` a round stages instead (docs/weights.md, "Two-phase updates"): nothing is
+    paused or applied, and `last_result.staged` names the set `commit_staged_weights` applies.
+    After a round, `last_result` is its UpdateResult."""
 
     def __init__(
         self,
@@ -44,6 +46,7 @@ class WeightSyncClient:
         step_timeout: float | None = None,
         etag: str | None = None,
         request_id: str | None = None,
+        stage_only: bool = False,
         rpc_timeout: float = 120.0,
     ) -> None:
         if pause_mode not in PAUSE_MODES:
@@ -52,7 +55,7 @@ class WeightSyncClient:
         self._channel = self._config.channel()
         self._stub = pb2_grpc.WeightUpdateServiceStub(self._channel)
         self.pause_mode, self.timeout, self.step_timeout = pause_mode, timeout, step_timeout
-        self.etag, self.request_id = etag, request_id
+        self.etag, self.request_id, self.stage_only = etag, request_id, stage_only
         self.operation = ""  # the open round's Operation
         self.last_result: UpdateResult | None = None
         self._lock = threading.Lock()
@@ -79,7 +82,10 @@ class WeightSyncClient:
 
     def start_weight_update(self) -> None:
         request = pb2.StartWeightUpdateRequest(
-            etag=self.etag or "", request_id=self.request_id or "", pause_mode=PAUSE_MODES[self.pause_mode]
+            etag=self.etag or "",
+            request_id=self.request_id or "",
+            pause_mode=PAUSE_MODES[self.pause_mode],
+            stage_only=self.stage_only,
         )
         if self.timeout is not None:
             request.timeout.CopyFrom(_duration(self.timeout))

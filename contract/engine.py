@@ -116,7 +116,7 @@ class TransferStep(str, enum.Enum):
     """A step of vLLM's weight-transfer API, run by WorkerRpc.TRANSFER on every worker."""
 
     INIT = "init"  # init_weight_transfer_engine(payload)
-    START = "start"  # start_weight_update()
+    START = "start"  # start_weight_update(); payload: a stage token, for a round that stages
     UPDATE = "update"  # update_weights(payload)
     FINISH = "finish"  # finish_weight_update()
     ABORT = "abort"  # end an open round without finishing it (enginectl's, not vLLM's)

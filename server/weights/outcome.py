@@ -39,6 +39,7 @@ CAUSE_CODES: dict[str, grpc.StatusCode] = {
     Cause.WORKER_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Cause.TRANSFER_STEP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Cause.TRANSFER_FAILED: grpc.StatusCode.INTERNAL,
+    Reason.STAGING_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,  # a transfer stage's batch (transfer.py)
 }
 
 _CAUSES = frozenset(c.value for c in Cause)

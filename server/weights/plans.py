@@ -212,7 +212,9 @@ class UpdateValidator:
     def transfer(self, request: pb2.StartWeightUpdateRequest) -> UpdatePlan:
         """A transfer engine's round (transfer.py): the fields every update has; its tensors
         are the engine's business (its batches name them)."""
-        return UpdatePlan(WeightSource.TRANSFER_ENGINE, [], [], "", *self._common(request, ""))
+        return UpdatePlan(
+            WeightSource.TRANSFER_ENGINE, [], [], "", *self._common(request, ""), stage_only=request.stage_only
+        )
 
     def tensors(self, header: pb2.TensorStreamHeader) -> UpdatePlan:
         common = self._common(header, "header.")

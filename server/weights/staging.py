@@ -59,6 +59,8 @@ REMEMBER_EXPIRED = 16  # names of expired sets kept, so a late commit hears "exp
 QUIET_S = 2  # a stage whose progress channel is this quiet asks its workers how they are
 EXPIRY_RETRY_S = 1.0  # a set whose TTL passed during its commit expires this long after
 Feed = Callable[[UpdateChannels, UpdateOperation], Awaitable[None]]
+# A transfer engine's round run as a stage: (the set, its Operation, deadline, max bytes).
+Stager = Callable[["StagedSet", UpdateOperation, float, int], Awaitable[None]]
 
 
 @dataclass
@@ -192,28 +194,7 @@ class Staging:
                 raise UpdateFailed(
                     Cause.UPDATE_TIMEOUT, "a worker never reported the end of its staging", False
                 ) from None
-            results = [r for rank in await self._engine.stage_result(staged.token) for r in rank]
-            errors = [(r.error.cause, r.error.message) for r in results if r.error is not None]
-            if channels.aborted and not errors:
-                errors = [channels.aborted]
-            if not errors and not all(r.done for r in results):
-                errors = [(Cause.LOAD_FAILED, "a worker reported the end of a staging it has not finished")]
-            if not errors and self.current is not staged:
-                errors = [(Cause.UPDATE_CANCELLED, "the staged set was discarded while it was received")]
-            if errors:
-                raise UpdateFailed(errors[0][0], errors[0][1], modified=False)
-            self._ready(staged, results)
-            op.set_phase(pb2.UPDATE_PHASE_STAGED)
-            op.finish(response=self._response(staged, results, started))
-            log.info(
-                "weights staged",
-                operation=op.name,
-                name=staged.name,
-                source=plan.source.value,
-                tensors=len(plan.tensors),
-                bytes=plan.bytes_total,
-                seconds=round(time.monotonic() - started, 3),
-            )
+            await self._settle(staged, op, channels.aborted, started)
         except Exception as exc:  # noqa: BLE001 - an operation must always end (see _failed)
             await self._failed(staged, op, exc)
         finally:
@@ -222,6 +203,48 @@ class Staging:
                 await asyncio.wait({feeding}, timeout=1.0)
                 feeding.cancel()
             channels.close()
+
+    async def run_round(self, staged: StagedSet, op: UpdateOperation, stager: Stager, started: float) -> None:
+        """The stage of a transfer engine's round (transfer.py `TransferRound.stage`): the
+        round runs its steps, each worker's staging target keeps what arrived, and the set
+        ends as every stage's; every way out finishes the Operation."""
+        try:
+            if op.cancel_requested.is_set():
+                raise UpdateFailed(Cause.UPDATE_CANCELLED, "CancelOperation before staging began", modified=False)
+            op.set_phase(pb2.UPDATE_PHASE_RECEIVING)
+            await stager(staged, op, time.time() + staged.plan.timeout, self.max_bytes)
+            await self._settle(staged, op, None, started)
+        except Exception as exc:  # noqa: BLE001 - an operation must always end (see _failed)
+            await self._failed(staged, op, exc)
+
+    async def _settle(
+        self, staged: StagedSet, op: UpdateOperation, aborted: tuple[Cause, str] | None, started: float
+    ) -> None:
+        """Every worker's StageResult read: the set is ready and the Operation ends STAGED, or
+        UpdateFailed is raised with the first worker's error."""
+        plan = staged.plan
+        results = [r for rank in await self._engine.stage_result(staged.token) for r in rank]
+        errors = [(r.error.cause, r.error.message) for r in results if r.error is not None]
+        if aborted and not errors:
+            errors = [aborted]
+        if not errors and not all(r.done for r in results):
+            errors = [(Cause.LOAD_FAILED, "a worker reported the end of a staging it has not finished")]
+        if not errors and self.current is not staged:
+            errors = [(Cause.UPDATE_CANCELLED, "the staged set was discarded while it was received")]
+        if errors:
+            raise UpdateFailed(errors[0][0], errors[0][1], modified=False)
+        self._ready(staged, results)
+        op.set_phase(pb2.UPDATE_PHASE_STAGED)
+        op.finish(response=self._response(staged, results, started))
+        log.info(
+            "weights staged",
+            operation=op.name,
+            name=staged.name,
+            source=plan.source.value,
+            tensors=len(plan.tensors),
+            bytes=plan.bytes_total,
+            seconds=round(time.monotonic() - started, 3),
+        )
 
     async def _ended(self, token: str) -> bool:
         """Every worker's staging of `token` is over (asked directly, not reported)."""

@@ -40,6 +40,7 @@ from enginectl.contract.engine import (
 )
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.weights.convert import parse_timeout
+from enginectl.server.weights.disk import TensorInfo
 from enginectl.server.weights.engine_protocols import TransferEngine
 from enginectl.server.weights.operations import UpdateOperation
 from enginectl.server.weights.outcome import UpdateFailed
@@ -47,10 +48,15 @@ from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 if TYPE_CHECKING:
     from enginectl.server.weights.run import UpdateRun
+    from enginectl.server.weights.staging import StagedSet
     from enginectl.server.weights.updates import WeightUpdates
 
 # Engines that touch the model only in their finish (a failed batch leaves it whole).
 APPLIES_AT_FINISH = frozenset({GLOO_TRANSFER_BACKEND})
+# Engines whose rounds can stage (`stage_only`): they write through vLLM's weight-update target
+# (set_weight_update_target), which a stage points at the workers' staging buffers. vLLM's own
+# engines open its layerwise reload on the target, which a staging buffer is not.
+STAGES = frozenset({GLOO_TRANSFER_BACKEND})
 INIT_TIMEOUT_S = 60.0
 STEP_TIMEOUT_S = 60.0  # default longest wait for the trainer's next step (a batch, the finish)
 
@@ -73,7 +79,7 @@ class TransferRound:
         self.batches = 0
         self.modified = False
         self._steps: asyncio.Queue[_Step] = asyncio.Queue()
-        self._tensors = 0
+        self._tensors: list[TensorInfo] = []  # what the batches named (as far as they parse)
         self._bytes = 0
 
     # --- the trainer's side (RPC handlers) ---------------------------------------------------
@@ -109,43 +115,74 @@ class TransferRound:
     # --- the round (UpdateRun's load) --------------------------------------------------------
 
     async def load(self, run: UpdateRun) -> list[LoadResult]:
+        """The round of an update: the engine writes into the model."""
         run.op.on_abort = self.abort
         started = time.monotonic()
+        answers, (declared, version) = await self._round(run.op, run.deadline, run.plan.timeout)
+        if declared:
+            run.plan = replace(run.plan, version=version)
+        return [
+            LoadResult(a.dp_rank, a.worker_rank, len(self._tensors), self._bytes, True, time.monotonic() - started)
+            for a in answers
+        ]
+
+    async def stage(self, staged: StagedSet, op: UpdateOperation, deadline: float, max_bytes: int) -> None:
+        """The round of a stage (Staging.run_round): the engine writes into every worker's
+        staging target (vLLM's `set_weight_update_target`: worker/weights/transfer_staging.py),
+        never into the model, and generation goes on between the steps. The set then holds
+        the tensors the batches named, under the finish's version."""
+        op.on_abort = self.abort
+        _, (declared, version) = await self._round(op, deadline, staged.plan.timeout, staged.token, max_bytes)
+        staged.plan = replace(
+            staged.plan, tensors=list(self._tensors), version=version if declared else staged.plan.version
+        )
+
+    async def _round(
+        self, op: UpdateOperation, deadline: float, timeout: float, stage_token: str = "", max_bytes: int = 0
+    ) -> tuple[list[TransferAnswer], tuple[bool, str | None]]:
+        """Start, the trainer's batches, its finish: (the finish's answers, its version)."""
+        writes = not stage_token  # a stage writes into the staging target only
         step: _Step | None = None
         try:
-            await self._run_step(run, TransferStep.START, None, writes=False)
+            await self._run_step(deadline, TransferStep.START, stage_token or None, writes=False)
             last = "start_weight_update"
             while True:
-                step = await self._next(run, last)
+                step = await self._next(deadline, timeout, last)
                 if step.kind == TransferStep.ABORT:
                     cause, message = step.payload
                     raise UpdateFailed(cause, message, modified=self.modified)
                 if step.kind == TransferStep.UPDATE:
-                    await self._run_step(run, TransferStep.UPDATE, step.payload, writes=not self._applies_at_finish)
+                    tensors, nbytes = _batch(step.payload)
+                    if stage_token and self._bytes + nbytes > max_bytes:
+                        raise UpdateFailed(
+                            Reason.STAGING_LIMIT_EXCEEDED,
+                            f"batch {self.batches + 1} brings the stage to {self._bytes + nbytes} bytes; this "
+                            f"server stages at most {max_bytes} (--max-staged-bytes)",
+                            modified=False,
+                            metadata={"bytes": str(self._bytes + nbytes), "max_staged_bytes": str(max_bytes)},
+                        )
+                    await self._run_step(
+                        deadline, TransferStep.UPDATE, step.payload, writes=writes and not self._applies_at_finish
+                    )
                     self.batches += 1
-                    self._count(step.payload)
-                    run.op.metadata.tensors_done, run.op.metadata.bytes_done = self._tensors, self._bytes
-                    run.op.touch()
+                    self._tensors.extend(tensors)
+                    self._bytes += nbytes
+                    op.metadata.tensors_done, op.metadata.bytes_done = len(self._tensors), self._bytes
+                    op.touch()
                     step.done.set_result(self.batches)
                     step, last = None, f"update_weights batch {self.batches}"
                     continue
-                declared, version = step.payload
-                answers = await self._run_step(run, TransferStep.FINISH, None, writes=True)
-                if declared:
-                    run.plan = replace(run.plan, version=version)
+                answers = await self._run_step(deadline, TransferStep.FINISH, None, writes=writes)
                 step.done.set_result(None)
-                return [
-                    LoadResult(a.dp_rank, a.worker_rank, self._tensors, self._bytes, True, time.monotonic() - started)
-                    for a in answers
-                ]
+                return answers, step.payload
         except BaseException as exc:
             await self._abort_workers()
-            self._fail_pending(step, exc, run)
+            self._fail_pending(step, exc, op.name)
             raise
 
-    async def _next(self, run: UpdateRun, last: str) -> _Step:
+    async def _next(self, deadline: float, timeout: float, last: str) -> _Step:
         """The trainer's next step, within the step timeout and the round's deadline."""
-        left = run.deadline - time.time()
+        left = deadline - time.time()
         wait = min(self.step_timeout, left)
         try:
             return await asyncio.wait_for(self._steps.get(), max(wait, 0.0))
@@ -153,7 +190,7 @@ class TransferRound:
             if wait >= left:
                 raise UpdateFailed(
                     Cause.UPDATE_TIMEOUT,
-                    f"the round's timeout ({run.plan.timeout:.3f}s) elapsed waiting for the trainer after {last}",
+                    f"the round's timeout ({timeout:.3f}s) elapsed waiting for the trainer after {last}",
                     modified=self.modified,
                 ) from None
             raise UpdateFailed(
@@ -163,10 +200,10 @@ class TransferRound:
                 modified=self.modified,
             ) from None
 
-    async def _run_step(self, run: UpdateRun, kind: TransferStep, payload: Any, writes: bool) -> list[TransferAnswer]:
+    async def _run_step(self, deadline: float, kind: TransferStep, payload: Any, writes: bool) -> list[TransferAnswer]:
         if writes:
             self.modified = True  # what the engine wrote before a failure is unknown
-        timeout = max(run.deadline - time.time(), 0.0) + LOAD_RPC_GRACE_S
+        timeout = max(deadline - time.time(), 0.0) + LOAD_RPC_GRACE_S
         try:
             answers = await self._engine.transfer(kind, payload, timeout)
         except ControlPlaneError as exc:
@@ -186,25 +223,16 @@ class TransferRound:
             )
         return answers
 
-    def _count(self, payload: Any) -> None:
-        infos = payload if isinstance(payload, list) else [payload]
-        info = infos[0] if infos and isinstance(infos[0], dict) else {}
-        names, kinds, shapes = info.get("names", []), info.get("dtype_names", []), info.get("shapes", [])
-        self._tensors += len(names)
-        for kind, shape in zip(kinds, shapes, strict=False):
-            if kind in dtypes.BY_NAME and isinstance(shape, list):
-                self._bytes += dtypes.nbytes(kind, shape)
-
     async def _abort_workers(self) -> None:
         try:
             await self._engine.transfer(TransferStep.ABORT, None, QUICK_RPC_TIMEOUT_S)
         except ControlPlaneError:
             pass  # the engine died or a worker hung: the round's error says what happened first
 
-    def _fail_pending(self, step: _Step | None, exc: BaseException, run: UpdateRun) -> None:
+    def _fail_pending(self, step: _Step | None, exc: BaseException, operation: str) -> None:
         """Every trainer call still waiting gets the round's error."""
         if isinstance(exc, UpdateFailed):
-            error = exc.error(run.op.name)
+            error = exc.error(operation)
         elif isinstance(exc, ControlPlaneError):
             error = exc
         else:
@@ -248,6 +276,22 @@ class WeightTransfer:
             )
         return found
 
+    def _open_round(self) -> bool:
+        """A round (an update's or a stage's) has not ended."""
+        return self._round is not None and self._round.op is not None and not self._round.op.done
+
+    def _busy(self, why: str) -> ControlPlaneError:
+        """UPDATE_IN_PROGRESS, naming the open round (a stage's round pauses nothing, so
+        Generation does not know it)."""
+        assert self._round is not None and self._round.op is not None
+        name = self._round.op.name
+        return ControlPlaneError(
+            grpc.StatusCode.ABORTED,
+            Reason.UPDATE_IN_PROGRESS,
+            f"{name} is running; {why}",
+            metadata={"operation": name},
+        )
+
     async def init(self, request: pb2.InitWeightTransferEngineRequest) -> pb2.InitWeightTransferEngineResponse:
         backend = self._configured()
         if self.initialized:
@@ -256,6 +300,8 @@ class WeightTransfer:
                 Reason.TRANSFER_ALREADY_INITIALIZED,
                 "the transfer engine is initialized: call shutdown_weight_transfer_engine first",
             )
+        if self._open_round():
+            raise self._busy("a transfer round is open")
         if self._updates.generation.updating():
             raise self._updates.generation.in_progress("an update runs")
         timeout = parse_timeout("timeout", request.timeout, request.HasField("timeout"), INIT_TIMEOUT_S)
@@ -277,11 +323,12 @@ class WeightTransfer:
 
     async def start(self, request: pb2.StartWeightUpdateRequest) -> UpdateOperation:
         backend = self._configured()
-        if request.stage_only:
+        if request.stage_only and backend not in STAGES:
             raise ControlPlaneError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 Reason.STAGE_UNSUPPORTED,
-                f"the {backend!r} transfer engine can not stage: its rounds apply at their finish",
+                f"the {backend!r} transfer engine can not stage: it loads each batch into the model as it "
+                f"arrives (engines that stage: {', '.join(sorted(STAGES))})",
             )
         plan = self._updates.validator.transfer(request)
         step_timeout = parse_timeout(
@@ -294,7 +341,7 @@ class WeightTransfer:
                 "call init_weight_transfer_engine first",
             )
         round_ = TransferRound(self._engine, backend, step_timeout)
-        op, started = await self._updates.start(plan, loader=round_.load)
+        op, started = await self._updates.start(plan, loader=round_.load, stager=round_.stage)
         if started:
             round_.op = op
             self._round = round_
@@ -318,14 +365,29 @@ class WeightTransfer:
         self, request: pb2.ShutdownWeightTransferEngineRequest
     ) -> pb2.ShutdownWeightTransferEngineResponse:
         self._configured()
-        if self._round is not None and self._round.op is not None and not self._round.op.done:
-            raise self._updates.generation.in_progress("a transfer round is open")
+        if self._open_round():
+            raise self._busy("a transfer round is open")
         found, self.initialized = self.initialized, False
         answers = await self._engine.transfer(TransferStep.SHUTDOWN, None, QUICK_RPC_TIMEOUT_S)
         failed = [a for a in answers if a.error]
         if failed:
             raise ControlPlaneError(grpc.StatusCode.INTERNAL, Reason.TRANSFER_FAILED, failed[0].error)
         return pb2.ShutdownWeightTransferEngineResponse(found=found)
+
+
+def _batch(payload: Any) -> tuple[list[TensorInfo], int]:
+    """The tensors a batch's update info names (vLLM's field names: `names`, `dtype_names`,
+    `shapes`; a list of infos, one per worker, names the first's), as far as they parse (the
+    engine refuses the rest), and their bytes."""
+    infos = payload if isinstance(payload, list) else [payload]
+    info = infos[0] if infos and isinstance(infos[0], dict) else {}
+    names, kinds, shapes = info.get("names", []), info.get("dtype_names", []), info.get("shapes", [])
+    tensors = [
+        TensorInfo(str(name), kind, tuple(int(n) for n in shape))
+        for name, kind, shape in zip(names, kinds, shapes, strict=False)
+        if kind in dtypes.BY_NAME and isinstance(shape, list) and all(isinstance(n, int) for n in shape)
+    ]
+    return tensors, sum(t.nbytes for t in tensors)
 
 
 def plain(value: Any) -> Any:

@@ -40,7 +40,7 @@ from enginectl.server.weights.operations import OperationStore, UpdateOperation
 from enginectl.server.weights.outcome import report_finished
 from enginectl.server.weights.plans import UpdatePlan, UpdateValidator
 from enginectl.server.weights.run import Loader, RunParts, UpdateRun
-from enginectl.server.weights.staging import DEFAULT_TTL_S, STAGED_PREFIX, Feed, StagedSet, Staging
+from enginectl.server.weights.staging import DEFAULT_TTL_S, STAGED_PREFIX, Feed, StagedSet, Stager, Staging
 from enginectl.server.weights.tensor_stream import TensorStream, read_header
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_service_pb2 as wvs_pb2
@@ -230,10 +230,11 @@ class WeightUpdates:
     # --- starting an update ------------------------------------------------------------------
 
     async def start(
-        self, plan: UpdatePlan, feed: Feed | None = None, loader: Loader | None = None
+        self, plan: UpdatePlan, feed: Feed | None = None, loader: Loader | None = None, stager: Stager | None = None
     ) -> tuple[UpdateOperation, bool]:
         """Create the Operation and start the update; (operation, started). A retried
-        request_id returns the first operation (started=False).
+        request_id returns the first operation (started=False). A transfer engine's round
+        (transfer.py) brings its `loader`, and its `stager` for a stage.
 
         The ledger's write lock is taken here, before the Operation is returned, and held
         until the update is recorded: a declaration accepted after this call applies after
@@ -276,7 +277,7 @@ class WeightUpdates:
         }
         if plan.stage_only:  # no pause, no ledger lock: generation and declarations go on
             staged = self.staging.reserve(plan, op)
-            asyncio.ensure_future(self._stage(staged, op, plan, feed))
+            asyncio.ensure_future(self._stage(staged, op, plan, feed, stager))
             return op, True
         self.generation.active = op  # from here on, another update is refused
         if plan.stage_token:  # from here on, a discard of the set is refused
@@ -307,9 +308,14 @@ class WeightUpdates:
         asyncio.ensure_future(UpdateRun(self._parts, op, plan, channels, lock, feed, loader).run())
         return op, True
 
-    async def _stage(self, staged: StagedSet, op: UpdateOperation, plan: UpdatePlan, feed: Feed | None) -> None:
+    async def _stage(
+        self, staged: StagedSet, op: UpdateOperation, plan: UpdatePlan, feed: Feed | None, stager: Stager | None
+    ) -> None:
         log.info("weight stage started", operation=op.name, source=plan.source.value, tensors=len(plan.tensors))
         try:
-            await self.staging.run(staged, op, feed, time.monotonic())
+            if stager is not None:
+                await self.staging.run_round(staged, op, stager, time.monotonic())
+            else:
+                await self.staging.run(staged, op, feed, time.monotonic())
         finally:
             self.groups.in_use.discard(plan.group)

@@ -145,9 +145,10 @@ async def test_refusals_change_nothing(engine: EngineDouble, updates: WeightUpda
     with pytest.raises(ControlPlaneError) as early:
         await transfer.start(pb2.StartWeightUpdateRequest())
     assert early.value.reason == Reason.TRANSFER_NOT_INITIALIZED
+    per_batch = WeightTransfer(engine, updates, "nccl")  # loads each batch as it arrives: no staging target
     with pytest.raises(ControlPlaneError) as staged:
-        await transfer.start(pb2.StartWeightUpdateRequest(stage_only=True))
-    assert staged.value.reason == Reason.STAGE_UNSUPPORTED
+        await per_batch.start(pb2.StartWeightUpdateRequest(stage_only=True))
+    assert staged.value.reason == Reason.STAGE_UNSUPPORTED and "'nccl'" in staged.value.message
     assert not any(call.startswith("transfer:") for call in engine.calls)
 
 

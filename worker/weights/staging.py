@@ -59,7 +59,7 @@ FAULT_ENV = "ENGINECTL_TEST_FAULT"
 
 
 @dataclass
-class _Staged:
+class Staged:
     """One staged set on this worker."""
 
     token: str
@@ -76,8 +76,8 @@ class _Staged:
 
 
 @dataclass
-class _StagingState:
-    current: _Staged | None = None
+class StagingState:
+    current: Staged | None = None
     buffer: torch.Tensor | None = None  # kept for reuse across stages
     committed: bool = False  # a commit loaded from `buffer` since it was last (re)used
     faults_fired: set[str] = field(default_factory=set)  # FAULT_ENV
@@ -86,10 +86,10 @@ class _StagingState:
 class StagingMixin:
     """Worker RPCs of two-phase updates (see the module docstring)."""
 
-    def _enginectl_staging(self) -> _StagingState:
-        state: _StagingState | None = getattr(self, "_enginectl_staging_state", None)
+    def _enginectl_staging(self) -> StagingState:
+        state: StagingState | None = getattr(self, "_enginectl_staging_state", None)
         if state is None:
-            state = self._enginectl_staging_state = _StagingState()
+            state = self._enginectl_staging_state = StagingState()
         return state
 
     def enginectl_stage(self, plan_wire: Any) -> Any:
@@ -103,7 +103,7 @@ class StagingMixin:
             self._enginectl_release_if_kept(state)
         offsets, total = _layout(plan.tensors)
         buffer = _buffer(state, total)
-        staged = state.current = _Staged(plan.stage_token, plan.source, plan.tensors, offsets, buffer)
+        staged = state.current = Staged(plan.stage_token, plan.source, plan.tensors, offsets, buffer)
         channel = Channel(plan, rank)  # from here on used by the staging thread only
         # A broadcast's tensors are received lazily, on the staging thread.
         source = (
@@ -160,7 +160,7 @@ class StagingMixin:
         where generation is still paused."""
         self._enginectl_staging().committed = True
 
-    def _enginectl_release_if_kept(self, state: _StagingState) -> None:
+    def _enginectl_release_if_kept(self, state: StagingState) -> None:
         """If the model kept a view of the staging buffer instead of copying (a loader that
         assigns `param.data`), the buffer is the model's now and must never be written by a
         later stage: it is let go of (the model's tensors keep it alive)."""
@@ -176,7 +176,7 @@ class StagingMixin:
                 return
 
 
-def _fault(state: _StagingState, name: str) -> bool:
+def _fault(state: StagingState, name: str) -> bool:
     """Whether the injected fault `name` fires now (once per worker; FAULT_ENV)."""
     if name not in os.environ.get(FAULT_ENV, "").split(",") or name in state.faults_fired:
         return False
@@ -193,7 +193,7 @@ def _layout(specs: tuple[TensorSpec, ...]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _buffer(state: _StagingState, size: int) -> torch.Tensor:
+def _buffer(state: StagingState, size: int) -> torch.Tensor:
     """`size` bytes of the kept staging buffer (grown when too small); pinned where CUDA is,
     so a commit copies to the GPU at full speed."""
     if state.buffer is None or state.buffer.numel() < size:
@@ -202,7 +202,13 @@ def _buffer(state: _StagingState, size: int) -> torch.Tensor:
     return state.buffer[:size]
 
 
-def _drop(state: _StagingState, free: bool) -> int:
+def drop_staged(state: StagingState) -> None:
+    """Drop the set staged before, keeping the buffer for the next (a transfer round that
+    stages: transfer_steps.py)."""
+    _drop(state, free=False)
+
+
+def _drop(state: StagingState, free: bool) -> int:
     staged, state.current = state.current, None
     nbytes = 0
     if staged is not None:
@@ -218,7 +224,7 @@ def _drop(state: _StagingState, free: bool) -> int:
 
 
 def _stage(
-    staged: _Staged,
+    staged: Staged,
     source: Iterator[tuple[str, torch.Tensor]] | None,
     files: tuple[str, ...],
     channel: Channel,
@@ -240,12 +246,7 @@ def _stage(
             _copy_tensors(staged, source, channel)
         else:
             raise Abort(Cause.LOAD_FAILED, f"{staged.source.value} updates can not be staged")
-        digest = _digest(staged)
-        staged.views = [
-            (spec.name, typed_view(staged.buffer, offset, spec.dtype, spec.shape))
-            for spec, offset in zip(staged.specs, staged.offsets, strict=True)
-        ]
-        result = StageResult(rank, worker, done=True, tensors=len(staged.specs), nbytes=total, digest=digest)
+        result = completed(staged, rank, worker)
     except Abort as exc:
         result = StageResult(rank, worker, done=True, error=LoadError(exc.cause, str(exc)))
     except Exception as exc:  # noqa: BLE001 - a broken sender, a truncated file, ...
@@ -268,13 +269,24 @@ def _stage(
         channel.close(linger_ms)
 
 
-def _check(staged: _Staged, channel: Channel) -> None:
+def completed(staged: Staged, rank: int, worker: int) -> StageResult:
+    """Every byte of `staged` arrived: its digest, the typed views a commit loads, and the
+    StageResult that says so (Abort when it was discarded meanwhile)."""
+    digest = _digest(staged)
+    staged.views = [
+        (spec.name, typed_view(staged.buffer, offset, spec.dtype, spec.shape))
+        for spec, offset in zip(staged.specs, staged.offsets, strict=True)
+    ]
+    return StageResult(rank, worker, done=True, tensors=len(staged.specs), nbytes=staged.buffer.numel(), digest=digest)
+
+
+def _check(staged: Staged, channel: Channel) -> None:
     if staged.stop.is_set():
         raise Abort(Cause.UPDATE_CANCELLED, "the staged set was discarded while it was received")
     channel.check()
 
 
-def _copy_tensors(staged: _Staged, source: Iterator[tuple[str, torch.Tensor]], channel: Channel) -> None:
+def _copy_tensors(staged: Staged, source: Iterator[tuple[str, torch.Tensor]], channel: Channel) -> None:
     """Disk or broadcast tensors, each copied into its place (a disk file's order may differ
     from the plan's: tensors are placed by name)."""
     index = {spec.name: i for i, spec in enumerate(staged.specs)}
@@ -296,7 +308,7 @@ def _copy_tensors(staged: _Staged, source: Iterator[tuple[str, torch.Tensor]], c
     _all_arrived(staged, seen)
 
 
-def _receive_stream(staged: _Staged, channel: Channel) -> None:
+def _receive_stream(staged: Staged, channel: Channel) -> None:
     """Tensor-stream chunks straight into the buffer (the stream's layout is the buffer's)."""
     total, received, complete = staged.buffer.numel(), 0, 0
     while received < total:
@@ -309,7 +321,7 @@ def _receive_stream(staged: _Staged, channel: Channel) -> None:
         channel.progress(complete, received)
 
 
-def _copy(staged: _Staged, offset: int, data: np.ndarray) -> None:
+def _copy(staged: Staged, offset: int, data: np.ndarray) -> None:
     """`data` into the buffer at `offset`: numpy's copy releases the GIL and uses no thread
     pool (torch's copy_ would run on the intra-op threads the model's forward pass uses)."""
     np.copyto(staged.buffer.numpy()[offset : offset + data.size], data)
@@ -318,7 +330,7 @@ def _copy(staged: _Staged, offset: int, data: np.ndarray) -> None:
 READ_BYTES = 8 << 20  # a disk stage reads this much per call (stop and abort checks between)
 
 
-def _read_files(staged: _Staged, files: tuple[str, ...], channel: Channel) -> None:
+def _read_files(staged: Staged, files: tuple[str, ...], channel: Channel) -> None:
     """A disk stage: every tensor's bytes read from the safetensors files straight into its
     place in the buffer (one copy, from the page cache; the read releases the GIL). The
     server checked the headers; they are parsed again here (common/safetensors_header.py),
@@ -358,17 +370,17 @@ def _read_files(staged: _Staged, files: tuple[str, ...], channel: Channel) -> No
     _all_arrived(staged, done)
 
 
-def _all_arrived(staged: _Staged, arrived: set[int]) -> None:
+def _all_arrived(staged: Staged, arrived: set[int]) -> None:
     if len(arrived) != len(staged.specs):
         missing = next(spec.name for i, spec in enumerate(staged.specs) if i not in arrived)
         raise Abort(Cause.LOAD_FAILED, f"{len(staged.specs) - len(arrived)} tensor(s) never arrived, e.g. {missing}")
 
 
-def _end(staged: _Staged, i: int) -> int:
+def _end(staged: Staged, i: int) -> int:
     return staged.offsets[i] + dtypes.nbytes(staged.specs[i].dtype, staged.specs[i].shape)
 
 
-def _digest(staged: _Staged) -> str:
+def _digest(staged: Staged) -> str:
     """The staged bytes' digest (contract STAGED_DIGEST_METHOD): each tensor's name, dtype,
     shape and CRC32 (zlib releases the GIL on large buffers) folded into blake2b."""
     digest = hashlib.blake2b(digest_size=16)

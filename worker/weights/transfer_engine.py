@@ -41,6 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 from enginectl.common import dtypes
 from enginectl.contract.engine import GLOO_TRANSFER_BACKEND, Backend, GroupSpec, TensorSpec
 from enginectl.worker.weights.groups import _Group, _Join, _run_join, received_broadcast
+from enginectl.worker.weights.transfer_staging import StagingTarget
 
 BACKEND = GLOO_TRANSFER_BACKEND  # the name in vLLM's factory, and in --weight-transfer-config
 DEFAULT_GROUP = "vllm-weight-transfer"
@@ -166,10 +167,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def finish_weight_update(self) -> None:
         """Apply every tensor of the round in one in-memory reload (vLLM's layerwise reload:
-        on the CPU build that is what repacks the linear layers)."""
+        on the CPU build that is what repacks the linear layers); or, when the round's target
+        is a StagingTarget (`set_weight_update_target`: a stage, transfer_staging.py), copy
+        them into the staging buffer."""
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         received, self._received = self._received, []
+        if isinstance(self.model, StagingTarget):  # a round that stages: copied, the model untouched
+            self.model.load_weights(received)
+            return
         if not received:  # a round with no batch: nothing to apply (an empty reload is not a no-op)
             return
         reload_weights(self.vllm_config, self.model, received, None, is_checkpoint_format=True)

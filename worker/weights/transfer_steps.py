@@ -24,6 +24,8 @@ from typing import Any
 from enginectl.contract.engine import TransferAnswer, TransferStep, wire
 from enginectl.worker.weights.fingerprints import weight_access
 from enginectl.worker.weights.ranks import dp_rank
+from enginectl.worker.weights.staging import drop_staged
+from enginectl.worker.weights.transfer_staging import StagingTarget
 
 
 class TransferMixin:
@@ -44,20 +46,50 @@ class TransferMixin:
 
 
 def _run(worker: Any, step: TransferStep, payload: Any) -> None:
+    target: StagingTarget | None = getattr(worker, TARGET, None)  # the open round stages
     if step == TransferStep.INIT:
         worker.init_weight_transfer_engine(payload)
     elif step == TransferStep.START:
+        setattr(worker, TARGET, None)
+        if payload:
+            _stage_into_target(worker, str(payload))
         worker.start_weight_update()
     elif step == TransferStep.UPDATE:
-        worker.enginectl_weights_changing()  # a digest slice in flight is superseded
+        if target is None:
+            worker.enginectl_weights_changing()  # a digest slice in flight is superseded
         worker.update_weights(payload)
     elif step == TransferStep.FINISH:
-        worker.enginectl_weights_changing()
-        worker.finish_weight_update()
+        if target is None:
+            worker.enginectl_weights_changing()
+        setattr(worker, TARGET, None)
+        worker.finish_weight_update()  # vLLM points the engine back at the model
+        if target is not None:
+            target.complete()
     elif step == TransferStep.SHUTDOWN:
         worker.shutdown_weight_transfer_engine()
     else:  # ABORT
+        setattr(worker, TARGET, None)
         _abort(worker)
+
+
+TARGET = "_enginectl_transfer_target"  # the worker's StagingTarget while a staged round is open
+
+
+def _stage_into_target(worker: Any, token: str) -> None:
+    """A round that stages: the engine's target is a StagingTarget over the worker's staging
+    buffer (worker/weights/transfer_staging.py), until vLLM's finish, or a failed batch,
+    resets it. The set staged before is dropped (the server keeps one); a buffer the model
+    kept a view of after a commit is let go of first."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if engine is None:
+        return  # start_weight_update says so
+    state = worker._enginectl_staging()
+    drop_staged(state)
+    if state.committed:
+        worker._enginectl_release_if_kept(state)
+    target = StagingTarget(state, token, dp_rank(worker), int(worker.rank))
+    engine.set_weight_update_target(target, engine.model_config)
+    setattr(worker, TARGET, target)
 
 
 def _abort(worker: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -55,13 +56,25 @@ def trainer(stubs: Stubs, checkpoints: Checkpoints, sync: WeightSyncClient) -> I
 
 def broadcast_round(trainer: Any, sync: WeightSyncClient) -> None:
     """A round's start and its one batch (received beside the broadcast), not finished."""
-    tensors = [t for _, t in trainer.source]
     sync.start_weight_update()
+    send_batch(trainer, sync, list(trainer.source))
+
+
+def send_batch(trainer: Any, sync: WeightSyncClient, pairs: list[tuple[str, Any]]) -> None:
+    """One `update_weights` batch of `pairs`, received beside its broadcast (vLLM's NCCL
+    engine's field names)."""
+    tensors = [t for _, t in pairs]
+    info = {
+        "names": [n for n, _ in pairs],
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors],
+        "shapes": [list(t.shape) for t in tensors],
+        "bucket_bytes": trainer.bucket_bytes,
+    }
     errors: list[BaseException] = []
 
     def receive() -> None:
         try:
-            sync.update_weights(trainer.update_info())
+            sync.update_weights(info)
         except BaseException as exc:  # noqa: BLE001 - asserted below
             errors.append(exc)
 
@@ -119,11 +132,6 @@ def test_steps_out_of_order_are_refused_with_state_unchanged(
             {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
         )
     assert again.value.reason == "TRANSFER_ALREADY_INITIALIZED"
-    staged = WeightSyncClient(weights_server.grpc_target)
-    with pytest.raises(FailedPreconditionError) as stage:
-        staged._call(staged._stub.StartWeightUpdate, upb.StartWeightUpdateRequest(stage_only=True))
-    staged.close()
-    assert stage.value.reason == "STAGE_UNSUPPORTED"
     sync.start_weight_update()
     with pytest.raises(EnginectlError) as twice:
         sync.start_weight_update()
@@ -166,3 +174,70 @@ def test_a_round_with_no_batch_declares_and_leaves_the_weights(
     assert stubs.version().version == "T-empty"
     assert greedy_tokens(weights_server) == tokens_a
     assert stubs.verify(full=True).verdict == vpb.VERIFY_VERDICT_MATCH
+
+
+# --- a round that stages (docs/weights.md, "Two-phase updates") -------------------------------
+
+
+def test_a_staged_round_changes_nothing_until_its_commit_while_generation_goes_on(
+    weights_server: ServeProcess, stubs: Stubs, trainer: Any, tokens_a: list[int], tokens_b: list[int]
+) -> None:
+    """stage_only through the `gloo` engine: its two batches land in the workers' staging
+    buffers (vLLM's weight-update target), not the model; between them concurrent clients
+    generate A's tokens, unpaused; the finish leaves a staged set under its version, and
+    CommitStagedWeights applies it as every commit, recorded as a transfer engine's."""
+    before = stubs.version()
+    pairs = list(trainer.source)
+    with WeightSyncClient(weights_server.grpc_target, timeout=120.0, step_timeout=60.0, stage_only=True) as stage:
+        stage.start_weight_update()
+        send_batch(trainer, stage, pairs[: len(pairs) // 2])
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(lambda _: greedy_tokens(weights_server), range(6))) == [tokens_a] * 6
+        state = stubs.state()
+        assert not state.paused and state.update_operation == ""
+        with pytest.raises(AbortedError) as busy:  # the stage holds the one update slot
+            sync_other = WeightSyncClient(weights_server.grpc_target)
+            try:
+                sync_other.start_weight_update()
+            finally:
+                sync_other.close()
+        assert busy.value.reason == "UPDATE_IN_PROGRESS"
+        send_batch(trainer, stage, pairs[len(pairs) // 2 :])
+        stage.finish_weight_update("S-1")
+        assert stage.last_result is not None
+        staged = stage.last_result.staged
+    assert staged is not None and (staged.weight_version, staged.tensors) == ("S-1", len(pairs))
+    assert staged.bytes == sum(t.numel() * t.element_size() for _, t in pairs)
+    after = stubs.version()
+    assert (after.version, after.etag) == (before.version, before.etag)
+    assert greedy_tokens(weights_server) == tokens_a
+    assert stubs.state().staged.name == staged.name
+
+    commit = stubs.wait(stubs.updates.CommitStagedWeights(upb.CommitStagedWeightsRequest(name=staged.name)))
+    assert commit.WhichOneof("result") == "response", commit.error
+    version = stubs.version()
+    assert (version.version, version.source) == ("S-1", wv.WEIGHT_SOURCE_TRANSFER_ENGINE)
+    assert greedy_tokens(weights_server) == tokens_b
+    assert stubs.verify().verdict == vpb.VERIFY_VERDICT_MATCH
+
+
+def test_a_staged_round_past_the_staging_limit_is_refused_before_its_batch_and_stages_nothing(
+    weights_server: ServeProcess, stubs: Stubs, trainer: Any, tokens_a: list[int]
+) -> None:
+    """The server stages at most --max-staged-bytes (here: the model's size). A batch that
+    would pass it is refused before any worker receives it (no broadcast is needed to see
+    it), the stage fails with the limit's reason, and nothing is left staged."""
+    before = stubs.version()
+    pairs = list(trainer.source)
+    with WeightSyncClient(weights_server.grpc_target, timeout=120.0, step_timeout=60.0, stage_only=True) as stage:
+        stage.start_weight_update()
+        send_batch(trainer, stage, pairs)  # the whole model: at the limit, accepted
+        doubled = {"names": ["extra"], "dtype_names": ["float32"], "shapes": [[1024]]}
+        with pytest.raises(EnginectlError) as over:
+            stage.update_weights(doubled)
+        assert over.value.reason == "STAGING_LIMIT_EXCEEDED"
+        done = stubs.wait(operations_pb2.Operation(name=stage.operation), timeout=30)
+    assert "STAGING_LIMIT_EXCEEDED" in str(done.error)
+    assert not stubs.state().HasField("staged")
+    assert stubs.version().etag == before.etag
+    assert greedy_tokens(weights_server) == tokens_a
