@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from enginectl.client._sync import LoopOwner, blocking
 from enginectl.client.client import ChannelOptions
 from enginectl.client.errors import EnginectlError, Reason, from_rpc_error
+from enginectl.client.fleet_transfer import FleetTransferMixin
 from enginectl.client.fleet_types import (
     FleetCommit,
     FleetCommitError,
@@ -60,8 +61,9 @@ FLEET_GROUP = "enginectl-fleet"
 MODES = ("strict", "loose")
 
 
-class AsyncFleet:
-    """asyncio fleet of servers: `async with AsyncFleet(["h1:50051", "h2:50051"]) as f: ...`."""
+class AsyncFleet(FleetTransferMixin):
+    """asyncio fleet of servers: `async with AsyncFleet(["h1:50051", "h2:50051"]) as f: ...`.
+    It is also a vLLM weight-sync client over every server (fleet_transfer.py)."""
 
     def __init__(self, targets: Sequence[str], **config: Unpack[ChannelOptions]) -> None:
         if not targets or len(set(targets)) != len(targets):
@@ -446,3 +448,15 @@ class Fleet(LoopOwner[AsyncFleet]):
     commit = blocking(AsyncFleet.commit)
     repair = blocking(AsyncFleet.repair)
     update_from_disk = blocking(AsyncFleet.update_from_disk)
+    # vLLM's VLLMWeightSyncClient protocol over every server (fleet_transfer.py): pass the
+    # fleet as a trainer-side transfer engine's `client`.
+    transfer_world_size = blocking(AsyncFleet.transfer_world_size)
+    init_weight_transfer_engine = blocking(AsyncFleet.init_weight_transfer_engine)
+    start_weight_update = blocking(AsyncFleet.start_weight_update)
+    update_weights = blocking(AsyncFleet.update_weights)
+    finish_weight_update = blocking(AsyncFleet.finish_weight_update)
+    shutdown_weight_transfer_engine = blocking(AsyncFleet.shutdown_weight_transfer_engine)
+
+    def set_transfer_rounds(self, timeout: float | None = None, step_timeout: float | None = None) -> None:
+        """The next rounds' timeout (whole round) and step timeout (see fleet_transfer.py)."""
+        self._core.transfer_timeout, self._core.transfer_step_timeout = timeout, step_timeout

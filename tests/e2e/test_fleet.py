@@ -8,7 +8,8 @@ fakes, and the only ones here: a commit reads tensors already in memory, and no 
 it fail half-way on demand; a report lost in transit (ZMQ dropping a queued frame, a worker
 giving up on a stalled server) is a race. The first two tests use them; every other fault is
 real (a set already staged, a stale etag, a refused request). Tests run in order and each leaves both
-servers serving A, running, SERVING, with nothing staged.
+servers serving A, running, SERVING, with nothing staged. Both serve vLLM's transfer engine
+`gloo` (--weight-transfer-config), which the fleet drives as vLLM's trainer-side API's client.
 """
 
 from __future__ import annotations
@@ -24,16 +25,25 @@ import pytest
 from support.fault_helpers import HEALTH_SERVICES, NOT_SERVING, SERVING, Child, health
 from support.serving import BIN, ServeProcess
 from support.weights import Checkpoints, WeightStubs, greedy_tokens, stop_server
+from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
 from e2e.fleet_invariant import PROMPTS, Invariant, checkpoint_of, generate_ids
 from enginectl.client import Client, Fleet, FleetCommitError, FleetStageError, Reason, TrainerClient
+from enginectl.client.transfer_engine import (
+    GlooTrainerInitInfo,
+    GlooTrainerWeightTransferEngine,
+    StateDictSource,
+    register,
+)
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
+from enginectl.weights.v1 import weight_version_pb2 as wv
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 
 
 @pytest.fixture(scope="module")
 def servers(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[tuple[ServeProcess, ServeProcess]]:
     args = ["--allow-weights-from", str(checkpoints.root), "--enable-scale-out"]
+    args += ["--weight-transfer-config", '{"backend": "gloo"}']  # vLLM's flag: the `transfer` fixture's engine
     x = ServeProcess(args, dict(serve_env, VLLM_SERVER_DEV_MODE="1")).start()
     y = ServeProcess(
         args, dict(serve_env, VLLM_SERVER_DEV_MODE="1", ENGINECTL_TEST_FAULT="commit-once,report-lost-once")
@@ -51,6 +61,24 @@ def servers(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[tup
 def fleet(servers: tuple[ServeProcess, ServeProcess]) -> Iterator[Fleet]:
     with Fleet([s.grpc_target for s in servers], timeout=120.0) as f:
         yield f
+
+
+@pytest.fixture(scope="module")
+def transfer(fleet: Fleet, checkpoints: Checkpoints) -> Iterator[GlooTrainerWeightTransferEngine]:
+    """vLLM's trainer-side API with the fleet as its weight-sync client: one init per server
+    (each at its rank offset), one group, one broadcast of B feeding both servers' stages."""
+    register()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        GlooTrainerInitInfo(
+            master_address="127.0.0.1", master_port=0, world_size=fleet.transfer_world_size(), rank=0, timeout_s=60.0
+        ),
+        client=fleet,
+        source=StateDictSource(checkpoints.state_dict("B")),
+    )
+    assert isinstance(engine, GlooTrainerWeightTransferEngine)
+    yield engine
+    engine.shutdown()
+    fleet.shutdown_weight_transfer_engine()  # a server gone (the chaos test) answers an error, not raised
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +143,20 @@ def test_a_stage_whose_end_report_is_lost_still_ends(
 
 
 def test_a_failed_commit_quarantines_one_server_and_repair_brings_it_back(
-    servers: tuple[ServeProcess, ServeProcess], fleet: Fleet, checkpoints: Checkpoints, tokens: dict[str, list[int]]
+    servers: tuple[ServeProcess, ServeProcess],
+    fleet: Fleet,
+    transfer: GlooTrainerWeightTransferEngine,
+    tokens: dict[str, list[int]],
 ) -> None:
+    """Staged through the servers' vLLM transfer engine (the `transfer` fixture), committed
+    as every fleet stage: Y's commit fails after writing began and Y is quarantined."""
     x, y = servers
-    stage = fleet.stage_from_disk(str(checkpoints.b), "fleet-1")
+    transfer.send_weights(weight_version="fleet-1")
+    stage = fleet.last_stage
+    assert stage is not None and stage.version == "fleet-1"
     assert set(stage.staged) == {x.grpc_target, y.grpc_target} and stage.fingerprint is not None
+    for srv in servers:  # staged, not applied
+        assert greedy_tokens(srv) == tokens["A"]
 
     with pytest.raises(FleetCommitError) as failed:
         fleet.commit(stage)
@@ -145,6 +182,7 @@ def test_a_failed_commit_quarantines_one_server_and_repair_brings_it_back(
     repaired = fleet.repair()
     assert repaired.ok and set(repaired.outcomes) == {y.grpc_target}
     assert sy.version().version == "fleet-1" and not sy.state().paused
+    assert sy.version().source == wv.WEIGHT_SOURCE_TRANSFER_ENGINE
     assert health(sy) == {name: SERVING for name in HEALTH_SERVICES}
     assert greedy_tokens(y) == tokens["B"]
     assert fleet.status().consistent
@@ -171,7 +209,11 @@ def test_one_broadcast_stages_both_servers(
 
 
 def test_a_stage_failure_on_one_server_leaves_both_unchanged(
-    servers: tuple[ServeProcess, ServeProcess], fleet: Fleet, checkpoints: Checkpoints, tokens: dict[str, list[int]]
+    servers: tuple[ServeProcess, ServeProcess],
+    fleet: Fleet,
+    transfer: GlooTrainerWeightTransferEngine,
+    checkpoints: Checkpoints,
+    tokens: dict[str, list[int]],
 ) -> None:
     x, y = servers
     before = {s.grpc_target: stubs(s).version() for s in servers}
@@ -199,6 +241,16 @@ def test_a_stage_failure_on_one_server_leaves_both_unchanged(
         assert fleet.status().servers[x.grpc_target].staged is None
         for srv in servers:
             assert greedy_tokens(srv) == tokens["A"]
+
+    # A transfer-engine round Y refuses: X's round is cancelled before anything is sent.
+    with pytest.raises(FleetStageError) as refused:
+        transfer.send_weights(weight_version="never")
+    refusal = refused.value.outcomes[y.grpc_target].error
+    assert refusal is not None and refusal.reason == Reason.STAGED_WEIGHTS_EXIST
+    assert fleet.status().servers[x.grpc_target].staged is None
+    for srv in servers:
+        assert stubs(srv).version().etag == before[srv.grpc_target].etag
+        assert greedy_tokens(srv) == tokens["A"]
 
 
 def test_a_commit_fenced_out_on_one_server_holds_it_until_repair(
