@@ -26,6 +26,7 @@ reused buffer); the workers' side is worker/weights/transfer_engine.py (docs/wei
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -45,6 +46,7 @@ from enginectl.common.buckets import cut
 
 BACKEND = "gloo"
 DEFAULT_GROUP = "vllm-weight-transfer"
+JOIN_MARGIN_S = 5.0  # past the rendezvous timeout, rank 0's join is given up on
 
 
 @dataclass
@@ -124,16 +126,22 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             "group_name": init_info.group_name,
             "timeout_s": init_info.timeout_s,
         }
-        # The workers join inside init_weight_transfer_engine while rank 0 joins here.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            calling = pool.submit(client.init_weight_transfer_engine, workers)
-            try:
-                group.join()
-            except BaseException:
-                group.close()
-                calling.result()  # the engine's error says best what went wrong
-                raise
-            calling.result()
+        # The workers join inside init_weight_transfer_engine while rank 0 joins on a thread: an
+        # init the engine refuses (a missing token, bad init info) answers at once, and rank 0's
+        # join, which nothing interrupts, is let go (it ends at the rendezvous timeout).
+        joined: list[BaseException | None] = []
+        thread = threading.Thread(target=_join, args=(group, joined), name="enginectl-trainer-join", daemon=True)
+        thread.start()
+        try:
+            client.init_weight_transfer_engine(workers)
+        except BaseException:
+            group.abandon("the engine's init_weight_transfer_engine failed")
+            raise
+        thread.join(init_info.timeout_s + JOIN_MARGIN_S)
+        failure = joined[0] if joined else TimeoutError(f"rank 0 did not join within {init_info.timeout_s}s")
+        if failure is not None:
+            group.abandon("rank 0 did not join")
+            raise failure
         return cls(client=client, source=source, group=group, bucket_bytes=init_info.bucket_bytes)
 
     def update_info(self) -> dict[str, Any]:
@@ -180,6 +188,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+def _join(group: BroadcastGroup, joined: list[BaseException | None]) -> None:
+    try:
+        group.join()
+        joined.append(None)
+    except BaseException as exc:  # noqa: BLE001 - handed to trainer_init
+        joined.append(exc)
 
 
 @dataclass

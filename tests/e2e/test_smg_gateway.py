@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from smg.rl import RL, paused
 from support.fault_helpers import WRITTEN_BYTES, stalled_stream
 from support.fault_helpers import Stubs as FaultStubs
@@ -35,6 +36,13 @@ from support.serving import ServeProcess
 from support.smg import SmgGateway
 from support.weight_updates import Stubs
 from support.weights import Checkpoints, build_checkpoints, greedy_tokens, stop_server
+from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+from enginectl.client.transfer_engine import GlooTrainerInitInfo, StateDictSource, register
+from enginectl.weights.v1 import weight_update_service_pb2 as upb
+from enginectl.weights.v1 import weight_version_pb2 as wv
+from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 
 TOKEN = "smg-test-token"
 HEALTH_INTERVAL_S = 1
@@ -66,7 +74,9 @@ def servers(
     token_file.write_text(TOKEN + "\n")
     env = dict(serve_env, VLLM_SERVER_DEV_MODE="1", ENGINECTL_TOKEN=TOKEN)
     args = ["--token-file", str(token_file), "--allow-weights-from", str(checkpoints.root), "--gateway", gateway.url]
-    started = [ServeProcess(list(args), env).start() for _ in range(2)]
+    # The first also runs vLLM's transfer engine `gloo` (vLLM's flag); the second runs none.
+    transfer = ["--weight-transfer-config", '{"backend": "gloo"}']
+    started = [ServeProcess(args + (transfer if i == 0 else []), env).start() for i in range(2)]
     try:
         for srv in started:
             srv.wait_ready()
@@ -162,15 +172,73 @@ FOUR_STEPS = [
 def test_vllm_four_step_routes_are_enginectl_s_need_the_token_and_name_a_missing_engine(
     servers: list[ServeProcess], stubs: list[Stubs]
 ) -> None:
-    """vLLM's four weight-transfer routes answer as enginectl's (its token, its reasons); these
-    servers run no transfer engine (no --weight-transfer-config), and say so."""
-    before = stubs[0].version()
+    """vLLM's four weight-transfer routes answer as enginectl's (its token, its reasons); the
+    second server runs no transfer engine (no --weight-transfer-config), and says so."""
+    before = stubs[1].version()
     for path, body in FOUR_STEPS:
-        status, answer = call(servers[0].http_url, path, body)
+        status, answer = call(servers[1].http_url, path, body)
         assert (status, answer["error"]) == (401, "UNAUTHENTICATED"), path
-        status, answer = call(servers[0].http_url, path, body, token=TOKEN)
+        status, answer = call(servers[1].http_url, path, body, token=TOKEN)
         assert (status, answer["error"]) == (412, "TRANSFER_NOT_CONFIGURED"), path
-    assert stubs[0].version() == before and not stubs[0].state().paused
+    assert stubs[1].version() == before and not stubs[1].state().paused
+
+
+class BearerSyncClient(HTTPVLLMWeightSyncClient):
+    """vLLM's HTTP weight-sync client with a bearer token on every step (None: no header), as a
+    SkyRL- or prime-rl-style trainer posts the four routes with its own requests."""
+
+    def __init__(self, base_url: str, token: str | None, timeout: float = 120.0) -> None:
+        super().__init__(base_url, timeout)
+        self.token = token
+
+    def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        requests.post(f"{self.base_url}/{path}", json=json, headers=headers, timeout=self.timeout).raise_for_status()
+
+
+def test_a_skyrl_style_trainer_runs_the_four_steps_with_the_token_and_through_smg(
+    servers: list[ServeProcess], stubs: list[Stubs], gateway: SmgGateway, checkpoints: Checkpoints
+) -> None:
+    """vLLM's trainer-side API with enginectl's `gloo` engine, over vLLM's HTTP routes: without
+    the token the first step is refused (401, nothing joined); with it a round applies A and
+    records it (source TRANSFER_ENGINE, VerifyWeights MATCH); then the same trainer, pointed
+    at SMG's proxy for that worker (SMG carries the worker's token), applies B: the tokens
+    change and the version follows."""
+    srv, s = servers[0], stubs[0]
+    register()
+    workers = s.updates.GetServerInfo(upb.GetServerInfoRequest(), timeout=10).num_workers
+    info = GlooTrainerInitInfo(
+        master_address="127.0.0.1", master_port=0, world_size=1 + workers, rank=0, timeout_s=60.0
+    )
+    before = s.version()
+    with pytest.raises(requests.HTTPError) as refused:
+        WeightTransferTrainerFactory.trainer_init(
+            info, client=BearerSyncClient(srv.http_url, None), source=StateDictSource(checkpoints.state_dict("A"))
+        )
+    assert refused.value.response.status_code == 401
+    assert refused.value.response.json()["error"] == "UNAUTHENTICATED"
+    assert s.version() == before
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=BearerSyncClient(srv.http_url, TOKEN), source=StateDictSource(checkpoints.state_dict("A"))
+    )
+    try:
+        engine.send_weights(weight_version="skyrl-A")
+        version = s.version()
+        assert (version.version, version.source) == ("skyrl-A", wv.WEIGHT_SOURCE_TRANSFER_ENGINE)
+        assert s.verify().verdict == vpb.VERIFY_VERDICT_MATCH
+        tokens_a = greedy_tokens(srv)
+
+        worker = _row(gateway, srv)["id"]
+        engine.client = HTTPVLLMWeightSyncClient(f"{gateway.url}/v1/rl/workers/{worker}/engine", timeout=120)
+        engine.source = StateDictSource(checkpoints.state_dict("B"))
+        engine.send_weights(weight_version="skyrl-B")
+        assert s.version().version == "skyrl-B" and s.verify().verdict == vpb.VERIFY_VERDICT_MATCH
+        assert greedy_tokens(srv) != tokens_a
+        assert not s.state().paused
+    finally:
+        engine.shutdown()
+        BearerSyncClient(srv.http_url, TOKEN).shutdown_weight_transfer_engine()
 
 
 @pytest.mark.parametrize(
@@ -188,7 +256,6 @@ def test_vllm_dev_routes_that_would_change_weights_behind_the_ledger_are_refused
 ) -> None:
     """These servers run with VLLM_SERVER_DEV_MODE=1, so vLLM's own routes exist: enginectl's
     refusal answers in their place, with the token or without."""
-    from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 
     if "kwargs" in body:
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoints.b)}}
