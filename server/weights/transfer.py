@@ -16,6 +16,11 @@ steps the rules of every update (docs/weights.md, "vLLM's weight-transfer engine
   the partial rule: once the engine may have written into the model (any batch of an engine
   that loads as it receives; the finish of one that applies at its finish, as enginectl's
   `gloo`), the version is undeclared, generation stays paused and the server is quarantined.
+- a `stage_only` start (engines in STAGES) runs the same steps as a stage instead
+  (`TransferRound.stage`, through Staging.run_round): no pause, no ledger lock; START carries
+  the set's token, and every worker points the engine's weight-update target at its staging
+  buffer (worker/weights/transfer_staging.py). The finish leaves a staged set that
+  CommitStagedWeights applies as any other.
 """
 
 from __future__ import annotations

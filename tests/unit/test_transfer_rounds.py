@@ -26,6 +26,7 @@ from enginectl.server.weights.updates import WeightUpdates
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 TENSOR = TensorInfo("w", "float32", (2, 2))
+ROUND_ID = "7f1c2b4e-3d5a-4e6f-8a9b-0c1d2e3f4a5b"
 BATCH = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2, 2]]}
 
 
@@ -150,6 +151,25 @@ async def test_refusals_change_nothing(engine: EngineDouble, updates: WeightUpda
         await per_batch.start(pb2.StartWeightUpdateRequest(stage_only=True))
     assert staged.value.reason == Reason.STAGE_UNSUPPORTED and "'nccl'" in staged.value.message
     assert not any(call.startswith("transfer:") for call in engine.calls)
+
+
+async def test_a_start_retried_with_its_request_id_answers_the_first_round(
+    engine: EngineDouble, updates: WeightUpdates, ledger: WeightVersionLedger
+) -> None:
+    """A trainer that lost the answer to its start and sends it again gets the same round (one
+    engine start); the same request id with other fields is refused, the round unharmed."""
+    transfer = await initialized(engine, updates, "gloo")
+    first = await transfer.start(pb2.StartWeightUpdateRequest(weight_version="v1", request_id=ROUND_ID))
+    again = await transfer.start(pb2.StartWeightUpdateRequest(weight_version="v1", request_id=ROUND_ID))
+    assert again is first
+    with pytest.raises(ControlPlaneError) as reused:
+        await transfer.start(pb2.StartWeightUpdateRequest(weight_version="v2", request_id=ROUND_ID))
+    assert reused.value.reason == Reason.REQUEST_ID_REUSED
+    await transfer.update(batch())
+    await transfer.finish(pb2.FinishWeightUpdateRequest())
+    await ended(updates, first)
+    assert first.failure is None and ledger.state.version == "v1"
+    assert engine.calls.count("transfer:start") == 1
 
 
 def test_struct_numbers_come_back_as_ints() -> None:

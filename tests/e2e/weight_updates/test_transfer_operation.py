@@ -241,3 +241,28 @@ def test_a_staged_round_past_the_staging_limit_is_refused_before_its_batch_and_s
     assert not stubs.state().HasField("staged")
     assert stubs.version().etag == before.etag
     assert greedy_tokens(weights_server) == tokens_a
+
+
+def test_discarding_a_staged_round_mid_way_ends_it_and_keeps_nothing(
+    weights_server: ServeProcess, stubs: Stubs, trainer: Any, tokens_a: list[int]
+) -> None:
+    """The set a staged round fills is visible (not complete) in GetGenerationState; a
+    discard of it cancels the round (UPDATE_CANCELLED), frees it, and the next round runs."""
+    before = stubs.version()
+    pairs = list(trainer.source)
+    with WeightSyncClient(weights_server.grpc_target, timeout=120.0, step_timeout=60.0, stage_only=True) as stage:
+        stage.start_weight_update()
+        send_batch(trainer, stage, pairs[:1])
+        filling = stubs.state().staged
+        assert filling.name.startswith("staged/") and not filling.HasField("stage_time")
+        stubs.updates.DiscardStagedWeights(upb.DiscardStagedWeightsRequest(name=filling.name), timeout=30)
+        done = stubs.wait(operations_pb2.Operation(name=stage.operation), timeout=30)
+        assert "UPDATE_CANCELLED" in str(done.error)
+        with pytest.raises(FailedPreconditionError) as ended:
+            stage.update_weights(trainer.update_info())
+        assert ended.value.reason == "TRANSFER_NOT_STARTED"
+    assert not stubs.state().HasField("staged")
+    assert stubs.version().etag == before.etag
+    assert greedy_tokens(weights_server) == tokens_a
+    trainer.send_weights(weight_version="after-discard")  # the group and the engine serve on
+    assert stubs.version().version == "after-discard"
