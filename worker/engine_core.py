@@ -232,7 +232,11 @@ def collective_rpc(
 ) -> list[Any]:
     """vLLM's collective_rpc (same signature: vLLM reads it to convert utility arguments);
     a weight load (WorkerRpc.LOAD) marks the rank APPLYING while it runs, and the engine
-    thread waits for it without spinning."""
+    thread waits for it, and for a transfer engine's step (WorkerRpc.TRANSFER: a batch's
+    receive, a finish's reload), without spinning."""
+    if method == WorkerRpc.TRANSFER.value:
+        with _waiting_without_spin(self):
+            return _vllm_collective_rpc(self, method, timeout, args, kwargs)
     if method != WorkerRpc.LOAD.value:
         return _vllm_collective_rpc(self, method, timeout, args, kwargs)
     generation = _generation(self)

@@ -235,7 +235,7 @@ def _checkpoint_figures(key: str, ck: dict[str, Any]) -> list[dict[str, Any]]:
                 "target": "<= 1.05" if native else "reported",
                 "met": _ratio(ours_ms, base_ms) <= 1.05 if native else True,
                 "floor_value": base_ms,
-                "floor": "the same engine and checkpoint, alternating blocks (bench/weights/transfer.py)",
+                "floor": "the same engine, group and checkpoint, rounds interleaved (bench/weights/transfer.py)",
             }
         )
     if "staging" in ck:

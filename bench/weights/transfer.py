@@ -4,7 +4,7 @@ Runs in the weights phase's client process (bench/weights/clients.py `run`), aga
 phase's `enginectl serve`, which runs with `--weight-transfer-config '{"backend": "gloo"}'`
 and vLLM's /collective_rpc kept (--allow-vllm-dev-routes). One trainer on vLLM's trainer-side
 API (`WeightTransferTrainerFactory`, enginectl's registered `gloo` engine) sends the same
-checkpoint two ways, in alternating blocks on the same engine:
+checkpoint two ways, round by round over one group on the same engine:
 
 - **vllm_native**: vLLM's own four steps with no enginectl in the way: the worker methods
   (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
@@ -19,8 +19,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
-
-BLOCKS = 2  # alternating blocks of each way (a switch re-initialises the engine)
 
 
 class CollectiveRpcClient:
@@ -52,38 +50,50 @@ class CollectiveRpcClient:
 def measure_transfer(
     target: str, post: Callable[[str, dict[str, Any]], Any], named: list[tuple[str, Any]], workers: int, reps: int
 ) -> dict[str, Any]:
-    """Median wall times of a full round each way (`post`: a JSON POST to the server's HTTP API)."""
+    """Wall times of `reps` full rounds each way (`post`: a JSON POST to the server's HTTP API),
+    interleaved round by round over ONE group: the trainer engine's client is swapped between
+    rounds (both reach the same workers' engine), in ABBA order so drift cancels. One untimed
+    round each way first (a new group's receive buffers fill fresh pages once). Between rounds,
+    untimed, a full VerifyWeights waits out the full fingerprint an enginectl declaration
+    takes in the background (docs/weights.md, "Threads and the weights"): its slices would
+    otherwise queue ahead of the next round's steps, whichever way that round goes."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
+    from enginectl.client import TrainerClient
     from enginectl.client.transfer_client import WeightSyncClient
     from enginectl.client.transfer_engine import GlooTrainerInitInfo, StateDictSource, register
 
     register()
-    source = StateDictSource(named)
     info = GlooTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=1 + workers, rank=0, timeout_s=300)
-    times: dict[str, list[float]] = {"vllm_native": [], "enginectl": []}
-    per_block = max(1, reps // BLOCKS)
-    for block in range(BLOCKS):
-        for way in ("vllm_native", "enginectl"):
-            client: Any = (
-                CollectiveRpcClient(post) if way == "vllm_native" else WeightSyncClient(target, rpc_timeout=600)
-            )
-            engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
-            try:
-                engine.send_weights()  # untimed: a new group's receive buffers fill fresh pages once
-                for i in range(per_block):
-                    t0 = time.perf_counter()
-                    if way == "enginectl":
-                        engine.send_weights(weight_version=f"transfer-{block}-{i}")
-                    else:
-                        engine.send_weights()
-                    times[way].append(time.perf_counter() - t0)
-            finally:
-                engine.shutdown()
-                client.shutdown_weight_transfer_engine()
-                if way == "enginectl":
-                    client.close()
-    return {way: t for way, t in times.items()}
+    sync = WeightSyncClient(target, rpc_timeout=600)
+    settle = TrainerClient(target, timeout=600)
+    clients: dict[str, Any] = {"vllm_native": CollectiveRpcClient(post), "enginectl": sync}
+    times: dict[str, list[float]] = {way: [] for way in clients}
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=sync, source=StateDictSource(named))
+
+    def round_(way: str, i: int) -> float:
+        settle.verify_weights(full=True)
+        engine.client = clients[way]
+        t0 = time.perf_counter()
+        if way == "enginectl":
+            engine.send_weights(weight_version=f"transfer-{i}")
+        else:
+            engine.send_weights()
+        return time.perf_counter() - t0
+
+    try:
+        for way in clients:
+            round_(way, -1)
+        for i in range(reps):
+            order = ("vllm_native", "enginectl") if i % 2 == 0 else ("enginectl", "vllm_native")
+            for way in order:
+                times[way].append(round_(way, i))
+    finally:
+        engine.shutdown()
+        sync.shutdown_weight_transfer_engine()
+        sync.close()
+        settle.close()
+    return times
 
 
 def transfer_rows(ck: dict[str, Any]) -> list[tuple[str, str, float, float]]:
