@@ -44,6 +44,7 @@ from enginectl.client.fleet_types import (
     RankStatus,
     ServerOutcome,
     ServerStatus,
+    stage_outcome,
 )
 from enginectl.client.planner import Planner, PlannerThread, RankState, latest_ranks
 from enginectl.client.progress import FleetProgress
@@ -174,14 +175,8 @@ class AsyncFleet(FleetTransferMixin):
     ) -> dict[str, int]:
         """One group spanning this trainer (rank 0) and every engine's workers, server after
         server (the rank offsets it returns, by target): one broadcast feeds the fleet."""
-        infos = await self._each(lambda _, c: c.get_server_info())
-        failed = {t: i for t, i in infos.items() if isinstance(i, EnginectlError)}
-        if failed:
-            raise FleetError("could not read every server", {t: ServerOutcome(t, e) for t, e in failed.items()})
-        offsets, world = {}, 1
-        for target in self.targets:
-            offsets[target] = world
-            world += infos[target].num_workers  # type: ignore[union-attr]
+        after, workers = await self._worker_offsets()
+        offsets, world = {t: 1 + o for t, o in after.items()}, 1 + workers
         group = await asyncio.to_thread(
             BroadcastGroup.host, group_name, backend, master_address, master_port, world, timeout
         )
@@ -266,16 +261,11 @@ class AsyncFleet(FleetTransferMixin):
                     lambda t, c: c.wait_operation(running[t].name, POLL_S if bar else None), list(running)
                 )
                 for target, op in polled.items():
-                    if isinstance(op, EnginectlError):
-                        outcomes[target] = ServerOutcome(target, op)
-                    elif op.done and op.error is not None:
-                        outcomes[target] = ServerOutcome(target, op.error)
-                    elif op.done:
-                        outcomes[target] = ServerOutcome(target, staged=op.response.staged if op.response else None)
+                    if isinstance(op, EnginectlError) or op.done:
+                        outcomes[target] = stage_outcome(target, op)
+                        running.pop(target)
                     else:
                         running[target] = op
-                        continue
-                    running.pop(target)
                 if bar is not None:
                     bar.update({t: op.progress for t, op in polled.items() if not isinstance(op, EnginectlError)})
         finally:

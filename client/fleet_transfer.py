@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar, cast
 from google.protobuf import json_format, struct_pb2
 
 from enginectl.client.errors import EnginectlError
-from enginectl.client.fleet_types import FleetError, FleetStage, FleetStageError, ServerOutcome
+from enginectl.client.fleet_types import FleetError, FleetStage, FleetStageError, ServerOutcome, stage_outcome
 from enginectl.client.trainer_requests import GRACE_S, duration
 from enginectl.client.trainer_types import UpdateOperation
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
@@ -60,12 +60,16 @@ class _Fleet(Protocol):
 
     async def _discard_all(self, outcomes: dict[str, ServerOutcome]) -> None: ...
 
+    async def _stage_results(
+        self, started: dict[str, UpdateOperation | EnginectlError], progress: bool = False
+    ) -> dict[str, ServerOutcome]: ...
+
 
 @dataclass
 class _Round:
     """The open round: each server's Operation, and the etags it is fenced with."""
 
-    operations: dict[str, str]
+    operations: dict[str, UpdateOperation]
     etags: dict[str, str]
 
 
@@ -83,25 +87,27 @@ class FleetTransferMixin:
 
     async def transfer_world_size(self) -> int:
         """The group's size: the trainer (rank 0) and every server's workers."""
-        return 1 + sum((await self._worker_counts()).values())
+        return 1 + (await self._worker_offsets())[1]
 
-    async def _worker_counts(self) -> dict[str, int]:
+    async def _worker_offsets(self) -> tuple[dict[str, int], int]:
+        """How many workers come before each server's, in target order, and all of them
+        (also the fleet's own group: fleet.py `init_weights_update_group`)."""
         fleet = self._fleet()
         infos = await fleet._each(lambda _, c: c.get_server_info())
         failed = {t: ServerOutcome(t, i) for t, i in infos.items() if isinstance(i, EnginectlError)}
         if failed:
             raise FleetError("could not read every server", failed)
-        return {t: i.num_workers for t, i in infos.items() if not isinstance(i, EnginectlError)}
+        offsets, before = {}, 0
+        for target in fleet.targets:
+            offsets[target] = before
+            before += infos[target].num_workers  # type: ignore[union-attr]
+        return offsets, before
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any], *, timeout: float = INIT_TIMEOUT_S) -> None:
         """Every server's transfer engine joins the trainer's group, at its own rank offset.
         Raises FleetError (the servers that joined are shut down again) unless all did."""
         fleet = self._fleet()
-        counts = await self._worker_counts()
-        offsets, before = {}, 0
-        for target in fleet.targets:
-            offsets[target] = before
-            before += counts[target]
+        offsets, _ = await self._worker_offsets()
         base = int(init_info.get("rank_offset", 1))
 
         async def init(target: str, client: Any) -> Any:
@@ -137,7 +143,7 @@ class FleetTransferMixin:
             )
 
         started = await fleet._each(start)
-        operations = {t: op.name for t, op in started.items() if not isinstance(op, EnginectlError)}
+        operations = {t: op for t, op in started.items() if not isinstance(op, EnginectlError)}
         if len(operations) < len(started):
             outcomes = await self._end_rounds(operations)
             outcomes.update({t: ServerOutcome(t, e) for t, e in started.items() if isinstance(e, EnginectlError)})
@@ -152,7 +158,7 @@ class FleetTransferMixin:
         json_format.ParseDict(cast(Any, update_info), value)
 
         async def send(target: str, client: Any) -> Any:
-            request = pb2.UpdateWeightsRequest(name=round_.operations[target], update_info=value)
+            request = pb2.UpdateWeightsRequest(name=round_.operations[target].name, update_info=value)
             return await client.connection.unary(fleet._updates[target].UpdateWeights, request, None)
 
         answers = await fleet._each(send)
@@ -169,7 +175,7 @@ class FleetTransferMixin:
         self._transfer_round = None
 
         async def finish(target: str, client: Any) -> UpdateOperation:
-            request = pb2.FinishWeightUpdateRequest(name=round_.operations[target], etag=round_.etags[target])
+            request = pb2.FinishWeightUpdateRequest(name=round_.operations[target].name, etag=round_.etags[target])
             if weight_version is not None:
                 request.weight_version = weight_version
             bound = (self.transfer_timeout or client.config.timeout) + GRACE_S
@@ -178,14 +184,7 @@ class FleetTransferMixin:
             )
 
         answers = await fleet._each(finish)
-        outcomes = {}
-        for target, answer in answers.items():
-            if isinstance(answer, EnginectlError):
-                outcomes[target] = ServerOutcome(target, answer)
-            elif answer.error is not None:
-                outcomes[target] = ServerOutcome(target, answer.error)
-            else:
-                outcomes[target] = ServerOutcome(target, staged=answer.response.staged if answer.response else None)
+        outcomes = {t: stage_outcome(t, a) for t, a in answers.items()}
         if not all(o.ok for o in outcomes.values()):  # a round the finish left open ends too
             await self._end_rounds({t: round_.operations[t] for t, o in outcomes.items() if not o.ok})
         return await fleet._staged_or_discard(weight_version, outcomes, round_.etags)
@@ -202,20 +201,12 @@ class FleetTransferMixin:
             raise RuntimeError("no open round: start_weight_update first")
         return self._transfer_round
 
-    async def _end_rounds(self, operations: dict[str, str]) -> dict[str, ServerOutcome]:
+    async def _end_rounds(self, operations: dict[str, UpdateOperation]) -> dict[str, ServerOutcome]:
         """Cancel the rounds `operations` (by target), wait for them, and discard what any of
-        them staged; each server's outcome."""
+        them staged (one that finished before its cancel); each server's outcome."""
         fleet = self._fleet()
-        targets = list(operations)
-        await fleet._each(lambda t, c: c.cancel_operation(operations[t]), targets)
-        ended = await fleet._each(lambda t, c: c.wait_operation(operations[t]), targets)
-        outcomes = {}
-        for target, op in ended.items():
-            if isinstance(op, EnginectlError):
-                outcomes[target] = ServerOutcome(target, op)
-            else:  # a round that finished before its cancel staged a set: it goes too
-                staged = op.response.staged if op.response is not None else None
-                outcomes[target] = ServerOutcome(target, op.error, staged=staged)
+        await fleet._each(lambda t, c: c.cancel_operation(operations[t].name), list(operations))
+        outcomes = await fleet._stage_results(dict(operations))
         await fleet._discard_all(outcomes)
         return outcomes
 

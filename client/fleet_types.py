@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from enginectl.client.errors import EnginectlError
-from enginectl.client.trainer_types import GenerationState, StagedWeights, UpdateResult
+from enginectl.client.trainer_types import GenerationState, StagedWeights, UpdateOperation, UpdateResult
 from enginectl.client.types import WeightVersion
 
 
@@ -29,6 +29,15 @@ class ServerOutcome:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def stage_outcome(target: str, answer: UpdateOperation | EnginectlError) -> ServerOutcome:
+    """A stage's outcome on `target` from its finished Operation (or the call's error)."""
+    if isinstance(answer, EnginectlError):
+        return ServerOutcome(target, answer)
+    if answer.error is not None:
+        return ServerOutcome(target, answer.error)
+    return ServerOutcome(target, staged=answer.response.staged if answer.response else None)
 
 
 @dataclass(frozen=True)
