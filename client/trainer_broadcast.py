@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
 DEFAULT_GROUP = "enginectl-trainer"
+# How long a send waits for its thread once the Operation ended successfully: the server had
+# every bucket, so the thread only has to return from its last collective. One that takes
+# longer is stuck, not slow, and its group is abandoned.
+SENDER_RETURN_S = 5.0
 
 
 class AsyncBroadcast:
@@ -66,7 +70,8 @@ class AsyncBroadcast:
     async def send(self, count: int | None = None) -> int:
         """Broadcast the next `count` tensors (all remaining by default), rounded up to the
         end of the bucket the last one is in; returns how many were sent. If the Operation
-        ends first (cancelled, timed out), raises its error."""
+        ends with an error first (cancelled, timed out), raises it; one that succeeded
+        before this thread returned from the last bucket is the send's success."""
         end = self.sent + (self.remaining if count is None else count)
         batch = [b for b in self._buckets if b.start >= self.sent and b.start < end]
         sending = asyncio.ensure_future(asyncio.to_thread(self.group.broadcast, self._tensors, batch, self._stop))
@@ -75,12 +80,19 @@ class AsyncBroadcast:
             await asyncio.wait({sending, ended}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             ended.cancel()
+        if not sending.done() and ended.exception() is None:
+            op = ended.result()
+            if op.done and op.error is None:
+                # The server had every bucket and answered before this thread was seen to
+                # return from the last one (a busy CPU): the send succeeded once it returns.
+                await asyncio.wait({sending}, timeout=SENDER_RETURN_S)
         if not sending.done():
-            # The server gave up on the broadcast: this group's collectives can not be trusted.
+            # The server gave up on the broadcast, or the thread is stuck after it succeeded:
+            # this group's collectives can not be trusted.
             self._stop.set()
             self.group.abandon("the update ended while broadcasting")
             sending.add_done_callback(lambda f: f.exception())
-            op = ended.result()
+            op = ended.result()  # raises when waiting for the Operation failed
             if op.error is not None:
                 raise op.error
             raise RuntimeError(f"{self.name} ended while tensors were still being broadcast")
