@@ -69,9 +69,22 @@ def _(v: WeightVersion) -> str:
 
 
 def _rank_results(result: UpdateResult) -> str:
+    """A row per rank; with more than one worker per rank (tensor parallelism), a row per worker."""
+    if all(len(r.workers) <= 1 for r in result.ranks):
+        return table(
+            ("RANK", "TENSORS", "BYTES", "DURATION"),
+            [
+                (r.dp_rank, r.tensors_loaded, human_bytes(r.bytes_loaded), human_seconds(r.duration))
+                for r in result.ranks
+            ],
+        )
     return table(
-        ("RANK", "TENSORS", "BYTES", "DURATION"),
-        [(r.dp_rank, r.tensors_loaded, human_bytes(r.bytes_loaded), human_seconds(r.duration)) for r in result.ranks],
+        ("RANK", "WORKER", "TENSORS", "BYTES"),
+        [
+            (r.dp_rank, w.worker_rank, w.tensors_loaded, human_bytes(w.bytes_loaded))
+            for r in result.ranks
+            for w in r.workers
+        ],
     )
 
 
@@ -158,10 +171,23 @@ def operations_table(ops: Sequence[UpdateOperation]) -> str:
 @render.register
 def _(v: Verification) -> str:
     summary = fields([("Verdict", v.verdict), ("Method", v.method), ("Weight version", _version(v.weight_version))])
-    ranks = table(
-        ("RANK", "VERDICT", "RECORDED", "CURRENT"),
-        [(r.dp_rank, r.verdict, r.recorded_digest[:DIGEST_CHARS], r.current_digest[:DIGEST_CHARS]) for r in v.ranks],
-    )
+    if all(len(r.workers) <= 1 for r in v.ranks):
+        ranks = table(
+            ("RANK", "VERDICT", "RECORDED", "CURRENT"),
+            [
+                (r.dp_rank, r.verdict, r.recorded_digest[:DIGEST_CHARS], r.current_digest[:DIGEST_CHARS])
+                for r in v.ranks
+            ],
+        )
+    else:  # tensor parallelism: each worker's shard, so a drift names its worker
+        ranks = table(
+            ("RANK", "WORKER", "VERDICT", "RECORDED", "CURRENT"),
+            [
+                (r.dp_rank, w.worker_rank, w.verdict, w.recorded_digest[:DIGEST_CHARS], w.current_digest[:DIGEST_CHARS])
+                for r in v.ranks
+                for w in r.workers
+            ],
+        )
     return _blocks(summary, ranks)
 
 

@@ -71,13 +71,31 @@ class UpdateProgress:
 
 
 @dataclass(frozen=True)
+class WorkerResult:
+    """What an update loaded on one worker of a rank (tensor x pipeline parallel): with tensor
+    parallelism every worker loads every tensor, its own shard of it."""
+
+    worker_rank: int
+    tensors_loaded: int
+    bytes_loaded: int
+    weights_modified: bool
+    error_cause: str  # "" unless this worker failed
+
+    @classmethod
+    def from_proto(cls, msg: pb2.WorkerLoad) -> WorkerResult:
+        return cls(msg.worker_rank, msg.tensors_loaded, msg.bytes_loaded, msg.weights_modified, msg.error_cause)
+
+
+@dataclass(frozen=True)
 class RankResult:
-    """What an update loaded on one data-parallel rank."""
+    """What an update loaded on one data-parallel rank: what every worker of it loaded, and
+    each worker's own result in `workers`."""
 
     dp_rank: int
     tensors_loaded: int
     bytes_loaded: int
     duration: float
+    workers: tuple[WorkerResult, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,7 +149,13 @@ class UpdateResult:
             operation=operation,
             weight_version=WeightVersion.from_proto(msg.weight_version),
             ranks=tuple(
-                RankResult(r.dp_rank, r.tensors_loaded, r.bytes_loaded, r.duration.ToTimedelta().total_seconds())
+                RankResult(
+                    r.dp_rank,
+                    r.tensors_loaded,
+                    r.bytes_loaded,
+                    r.duration.ToTimedelta().total_seconds(),
+                    tuple(WorkerResult.from_proto(w) for w in r.workers),
+                )
                 for r in msg.ranks
             ),
             num_paused_requests=msg.num_paused_requests,
@@ -279,13 +303,24 @@ class ServerInfo:
 
 
 @dataclass(frozen=True)
+class WorkerVerification:
+    """VerifyWeights on one worker of a rank: its own shard's digests."""
+
+    worker_rank: int
+    verdict: str
+    recorded_digest: str
+    current_digest: str
+
+
+@dataclass(frozen=True)
 class RankVerification:
-    """VerifyWeights on one data-parallel rank."""
+    """VerifyWeights on one data-parallel rank; `workers` names the worker whose shard differs."""
 
     dp_rank: int
     verdict: str
     recorded_digest: str
     current_digest: str
+    workers: tuple[WorkerVerification, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -308,6 +343,15 @@ class Verification:
                     _enum_name(wv_pb2.VerifyVerdict, r.verdict, "VERIFY_VERDICT_"),
                     r.recorded_digest,
                     r.current_digest,
+                    tuple(
+                        WorkerVerification(
+                            w.worker_rank,
+                            _enum_name(wv_pb2.VerifyVerdict, w.verdict, "VERIFY_VERDICT_"),
+                            w.recorded_digest,
+                            w.current_digest,
+                        )
+                        for w in r.workers
+                    ),
                 )
                 for r in msg.ranks
             ),

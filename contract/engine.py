@@ -263,6 +263,28 @@ class IpcHandle(msgspec.Struct, frozen=True, array_like=True):
     cuda: tuple[CudaShare, ...] = ()
 
 
+class WorkerLayout(msgspec.Struct, frozen=True, array_like=True):
+    """How an engine's workers are laid out: `ranks` DP ranks of `workers_per_rank` workers
+    each (vLLM's parallel world size, TP x PP). A worker's index among all workers is
+    `dp_rank * workers_per_rank + worker_rank` (worker/weights/ranks.py `global_rank`): an
+    update's data channels are addressed by it, one per worker, because with tensor
+    parallelism every worker of a rank loads every tensor (docs/architecture.md, "Update
+    channels")."""
+
+    ranks: int
+    workers_per_rank: int = 1
+
+    @property
+    def workers(self) -> int:
+        return self.ranks * self.workers_per_rank
+
+    def index(self, dp_rank: int, worker_rank: int) -> int:
+        """The worker's index among all workers, rank by rank."""
+        if not (0 <= dp_rank < self.ranks and 0 <= worker_rank < self.workers_per_rank):
+            raise ValueError(f"no worker {worker_rank} of DP rank {dp_rank} in {self.ranks} x {self.workers_per_rank}")
+        return dp_rank * self.workers_per_rank + worker_rank
+
+
 class LoadPlan(msgspec.Struct, frozen=True):
     """What one update asks of every worker."""
 
@@ -270,7 +292,8 @@ class LoadPlan(msgspec.Struct, frozen=True):
     files: tuple[str, ...]  # DISK: the safetensors files, in order
     tensors: tuple[TensorSpec, ...]  # every tensor, in the order they arrive
     group: str  # DISTRIBUTED: the update group
-    data_endpoints: tuple[str, ...]  # per DP rank: stream chunks and abort frames (frames.py)
+    # One per worker, indexed by WorkerLayout.index: stream chunks and abort frames (frames.py).
+    data_endpoints: tuple[str, ...]
     progress_endpoint: str  # every worker reports progress here
     deadline: float  # time.time() based
     # DISTRIBUTED: 0 broadcasts each tensor on its own; otherwise consecutive tensors are

@@ -2,12 +2,14 @@
 
 Per update, the server binds (server/weights/channels.py) and every worker connects
 (worker/weights/channel.py):
-- a data channel per DP rank (server PUSH -> worker PULL) carrying `chunk` frames (the tensor
+- a data channel per worker, not per DP rank (server PUSH -> worker PULL: a PUSH deals its
+  messages round-robin between connected peers, so the tensor-parallel workers of one rank
+  sharing one would each get part of the stream) carrying `chunk` frames (the tensor
   stream's bytes, at an offset into the concatenated tensors) and `abort` frames (stop now,
   with a cause: CancelOperation, the update's timeout, a broken client stream);
-- one progress channel (workers PUSH -> server PULL) carrying (dp_rank, tensors, bytes) of
-  what a worker has loaded (or staged) so far, and, for a stage, a `staged` frame from each
-  worker when its staging ended.
+- one progress channel (workers PUSH -> server PULL) carrying (dp_rank, worker_rank, tensors,
+  bytes) of what a worker has loaded (or staged) so far, and, for a stage, a `staged` frame
+  from each worker when its staging ended.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from enginectl.contract.engine import Cause
 CHUNK: Final = b"chunk"
 ABORT: Final = b"abort"
 _OFFSET = struct.Struct("<Q")
-_PROGRESS = struct.Struct("<iIQ")
+_PROGRESS = struct.Struct("<iiIQ")
 STAGED: Final = b"staged:"
 _STAGED = struct.Struct("<ii")
 
@@ -58,14 +60,14 @@ def read_data(frames: list[Any]) -> Chunk | Abort:
     return Chunk(offset, data)
 
 
-def progress(dp_rank: int, tensors: int, nbytes: int) -> bytes:
-    return _PROGRESS.pack(dp_rank, tensors, nbytes)
+def progress(dp_rank: int, worker_rank: int, tensors: int, nbytes: int) -> bytes:
+    return _PROGRESS.pack(dp_rank, worker_rank, tensors, nbytes)
 
 
-def read_progress(frame: bytes) -> tuple[int, int, int]:
-    """(dp_rank, tensors loaded, bytes loaded)."""
-    dp_rank, tensors, nbytes = _PROGRESS.unpack(frame)
-    return int(dp_rank), int(tensors), int(nbytes)
+def read_progress(frame: bytes) -> tuple[int, int, int, int]:
+    """(dp_rank, worker_rank, tensors loaded, bytes loaded)."""
+    dp_rank, worker_rank, tensors, nbytes = _PROGRESS.unpack(frame)
+    return int(dp_rank), int(worker_rank), int(tensors), int(nbytes)
 
 
 def staged(dp_rank: int, worker_rank: int) -> bytes:
@@ -73,9 +75,9 @@ def staged(dp_rank: int, worker_rank: int) -> bytes:
     return STAGED + _STAGED.pack(dp_rank, worker_rank)
 
 
-def read_report(frame: bytes) -> tuple[int, int, int] | tuple[int, int]:
-    """A progress-channel frame: (dp_rank, tensors, bytes) progress, or (dp_rank,
-    worker_rank) of a `staged` report."""
+def read_report(frame: bytes) -> tuple[int, int, int, int] | tuple[int, int]:
+    """A progress-channel frame: (dp_rank, worker_rank, tensors, bytes) progress, or
+    (dp_rank, worker_rank) of a `staged` report."""
     if frame.startswith(STAGED):
         dp_rank, worker_rank = _STAGED.unpack(frame[len(STAGED) :])
         return int(dp_rank), int(worker_rank)

@@ -47,6 +47,7 @@ from enginectl.contract.engine import (
     Utility,
     VllmUtility,
     WorkerDigest,
+    WorkerLayout,
     WorkerRpc,
     read,
     wire,
@@ -79,6 +80,11 @@ class EngineInfo:
     @property
     def num_workers(self) -> int:
         return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def layout(self) -> WorkerLayout:
+        """The DP ranks and the workers of each (TP x PP): what an update's channels address."""
+        return WorkerLayout(self.data_parallel_size, self.tensor_parallel_size * self.pipeline_parallel_size)
 
 
 class EngineAdapter:

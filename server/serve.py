@@ -30,6 +30,7 @@ import psutil
 import structlog
 
 from enginectl.server.config import ServeConfig
+from enginectl.server.cpu_binding import threads_bind_default
 from enginectl.server.flags import (
     check_port_free,
     configure_engine_args,
@@ -114,6 +115,9 @@ async def _start_engine(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
     kv_default = getattr(args, "kv_cache_default", None)
     if kv_default is not None:
         log.info("kv cache default", **kv_default.describe())
+    threads_bind = threads_bind_default(args)
+    if threads_bind is not None:
+        log.info("cpu threads bind default", **threads_bind.describe())
     log.info("starting engine", model=args.model, dp_size=args.data_parallel_size)
     began = time.monotonic()
     try:

@@ -111,15 +111,34 @@ def verify_response(
     """VerifyWeights' answer: the overall `verdict`, and per rank its recorded and current
     digests (a rank matches when they are equal; every rank is UNDECLARED when the whole is)."""
     recorded_ranks = dict(recorded.ranks) if recorded is not None else {}
+    recorded_workers = {(r, w): d for r, w, d in recorded.workers} if recorded is not None else {}
+
+    def judged(before: str, now: str) -> wvs_pb2.VerifyVerdict.ValueType:
+        if verdict == wvs_pb2.VERIFY_VERDICT_UNDECLARED:
+            return wvs_pb2.VERIFY_VERDICT_UNDECLARED
+        return wvs_pb2.VERIFY_VERDICT_MATCH if before == now else wvs_pb2.VERIFY_VERDICT_DRIFTED
+
     ranks = []
     for rank, digest in current.ranks:
         before = recorded_ranks.get(rank, "")
-        if verdict == wvs_pb2.VERIFY_VERDICT_UNDECLARED:
-            rank_verdict = wvs_pb2.VERIFY_VERDICT_UNDECLARED
-        else:
-            rank_verdict = wvs_pb2.VERIFY_VERDICT_MATCH if before == digest else wvs_pb2.VERIFY_VERDICT_DRIFTED
+        workers = [
+            wvs_pb2.WorkerVerification(
+                worker_rank=worker,
+                verdict=judged(recorded_workers.get((r, worker), ""), now),
+                recorded_digest=recorded_workers.get((r, worker), ""),
+                current_digest=now,
+            )
+            for r, worker, now in current.workers
+            if r == rank
+        ]
         ranks.append(
-            wvs_pb2.RankVerification(dp_rank=rank, verdict=rank_verdict, recorded_digest=before, current_digest=digest)
+            wvs_pb2.RankVerification(
+                dp_rank=rank,
+                verdict=judged(before, digest),
+                recorded_digest=before,
+                current_digest=digest,
+                workers=workers,
+            )
         )
     return wvs_pb2.VerifyWeightsResponse(
         verdict=verdict, method=current.method, ranks=ranks, weight_version=weight_version_proto(state)
@@ -137,25 +156,62 @@ def fingerprint_proto(fingerprint: Fingerprint) -> wv_pb2.WeightFingerprint:
 # --- per-rank results -----------------------------------------------------------------------
 
 
+def worker_load_proto(result: LoadResult) -> pb2.WorkerLoad:
+    """One worker's load result as the Operation shows it."""
+    return pb2.WorkerLoad(
+        worker_rank=result.worker_rank,
+        tensors_loaded=result.tensors_loaded,
+        bytes_loaded=result.bytes_loaded,
+        weights_modified=result.weights_modified,
+        error_cause=result.error.cause if result.error is not None else "",
+    )
+
+
 def load_results_proto(results: Iterable[LoadResult]) -> list[pb2.RankUpdateResult]:
-    """Workers' load results folded per DP rank (TP workers of one rank added up)."""
-    ranks: dict[int, pb2.RankUpdateResult] = {}
-    seconds: dict[int, float] = {}
+    """Workers' load results folded per DP rank: a rank loaded what every worker of it loaded
+    (with tensor parallelism each loads every tensor, its shard of it), in the time of its
+    slowest worker; each worker's own result beside it."""
+    per_rank: dict[int, list[LoadResult]] = {}
     for r in results:
-        acc = ranks.setdefault(r.dp_rank, pb2.RankUpdateResult(dp_rank=r.dp_rank))
-        acc.tensors_loaded = max(acc.tensors_loaded, r.tensors_loaded)
-        acc.bytes_loaded += r.bytes_loaded
-        seconds[r.dp_rank] = max(seconds.get(r.dp_rank, 0.0), r.duration)
-    for rank, acc in ranks.items():
-        acc.duration.CopyFrom(duration(seconds[rank]))
-    return [ranks[k] for k in sorted(ranks)]
+        per_rank.setdefault(r.dp_rank, []).append(r)
+    ranks = []
+    for rank in sorted(per_rank):
+        workers = sorted(per_rank[rank], key=lambda w: w.worker_rank)
+        ranks.append(
+            pb2.RankUpdateResult(
+                dp_rank=rank,
+                tensors_loaded=min(w.tensors_loaded for w in workers),
+                bytes_loaded=min(w.bytes_loaded for w in workers),
+                duration=duration(max(w.duration for w in workers)),
+                workers=[worker_load_proto(w) for w in workers],
+            )
+        )
+    return ranks
 
 
 def stage_results_proto(results: Iterable[StageResult]) -> list[pb2.RankUpdateResult]:
-    """Workers' stage results folded per DP rank, as load_results_proto (without a duration)."""
-    ranks: dict[int, pb2.RankUpdateResult] = {}
+    """Workers' stage results folded per DP rank, as load_results_proto (without a duration;
+    nothing reached a model, so no worker's weights were modified)."""
+    per_rank: dict[int, list[StageResult]] = {}
     for r in results:
-        rank = ranks.setdefault(r.dp_rank, pb2.RankUpdateResult(dp_rank=r.dp_rank))
-        rank.tensors_loaded = max(rank.tensors_loaded, r.tensors)
-        rank.bytes_loaded += r.nbytes
-    return [ranks[k] for k in sorted(ranks)]
+        per_rank.setdefault(r.dp_rank, []).append(r)
+    ranks = []
+    for rank in sorted(per_rank):
+        workers = sorted(per_rank[rank], key=lambda w: w.worker_rank)
+        ranks.append(
+            pb2.RankUpdateResult(
+                dp_rank=rank,
+                tensors_loaded=min(w.tensors for w in workers),
+                bytes_loaded=min(w.nbytes for w in workers),
+                workers=[
+                    pb2.WorkerLoad(
+                        worker_rank=w.worker_rank,
+                        tensors_loaded=w.tensors,
+                        bytes_loaded=w.nbytes,
+                        error_cause=w.error.cause if w.error is not None else "",
+                    )
+                    for w in workers
+                ],
+            )
+        )
+    return ranks

@@ -94,9 +94,11 @@ class WeightFingerprints:
     def _fold(self, per_rank: Sequence[Sequence[WorkerDigest | DigestSlice]]) -> Fingerprint:
         """Per-worker digests folded per DP rank (TP workers of a rank combined) and overall."""
         ranks = []
+        each: list[tuple[int, int, str]] = []
         method = ""
         for rank_index, workers in enumerate(per_rank):
             ordered = sorted(workers, key=lambda w: w.worker_rank)
+            each.extend((w.dp_rank, w.worker_rank, w.digest) for w in ordered)
             digests = [w.digest for w in ordered]
             digest = (
                 digests[0]
@@ -111,7 +113,7 @@ class WeightFingerprints:
                     self.sampled_method = first.sampled_method
                     self.full_method = first.full_method
         overall = hashlib.blake2b("|".join(d for _, d in ranks).encode(), digest_size=16).hexdigest()
-        return Fingerprint(method=method, digest=overall, ranks=tuple(ranks))
+        return Fingerprint(method=method, digest=overall, ranks=tuple(ranks), workers=tuple(each))
 
 
 def _retrieve(task: asyncio.Task[Fingerprint | None]) -> None:

@@ -40,6 +40,9 @@ class Fingerprint:
     method: str
     digest: str
     ranks: tuple[tuple[int, str], ...]  # (dp_rank, digest)
+    # (dp_rank, worker_rank, digest): with tensor parallelism each worker's shard has its own,
+    # so a rank that drifted can name the worker that did.
+    workers: tuple[tuple[int, int, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -11,17 +11,42 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from google.longrunning import operations_pb2
 from google.protobuf import any_pb2
 from google.rpc import status_pb2
 
-from enginectl.contract.engine import Cause
+from enginectl.contract.engine import Cause, WorkerLayout
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.limits import MAX_RETAINED
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+
+class ProgressTally:
+    """The latest progress report of every worker of one update, folded the way the
+    Operation shows it: a DP rank has loaded what every worker of it has loaded (with tensor
+    parallelism each worker loads every tensor, its own shard of it), and the update what
+    every rank has."""
+
+    def __init__(self, layout: WorkerLayout) -> None:
+        self.layout = layout
+        self.latest: dict[tuple[int, int], tuple[int, int]] = {}  # (dp_rank, worker) -> (tensors, bytes)
+
+    def rank(self, dp_rank: int) -> tuple[int, int] | None:
+        """(tensors, bytes) every worker of `dp_rank` has done; None until each reported."""
+        reports = [self.latest.get((dp_rank, w)) for w in range(self.layout.workers_per_rank)]
+        if any(r is None for r in reports):
+            return None
+        return min(r[0] for r in reports if r), min(r[1] for r in reports if r)
+
+    def total(self) -> tuple[int, int] | None:
+        """(tensors, bytes) every worker of every rank has done; None until each reported."""
+        ranks = [self.rank(r) for r in range(self.layout.ranks)]
+        if any(r is None for r in ranks):
+            return None
+        return min(r[0] for r in ranks if r), min(r[1] for r in ranks if r)
 
 
 class UpdateOperation:
@@ -62,31 +87,54 @@ class UpdateOperation:
             rank.phase = phase
         self.touch()
 
-    async def follow_progress(self, reports: Callable[[], Awaitable[tuple[int, int, int]]]) -> None:
-        """Fold the workers' progress reports ((dp_rank, tensors, bytes) from `reports`, the
-        update's channels) into the metadata, until cancelled."""
-        done: dict[int, tuple[int, int]] = {}
+    async def follow_progress(
+        self, tally: ProgressTally, reports: Callable[[], Awaitable[tuple[int, int, int, int]]]
+    ) -> None:
+        """Fold the workers' progress reports ((dp_rank, worker_rank, tensors, bytes) from
+        `reports`, the update's channels) into the metadata, until cancelled."""
         while True:
-            self.record_progress(done, *await reports())
+            self.record_progress(tally, *await reports())
 
     def record_progress(
-        self, done: dict[int, tuple[int, int]], rank: int, tensors: int, nbytes: int, *, writing: bool = True
+        self, tally: ProgressTally, rank: int, worker: int, tensors: int, nbytes: int, *, writing: bool = True
     ) -> None:
-        """One worker's report into the metadata (`done`: the latest report per rank); the
-        totals count once every rank reported. `writing`: the tensors went into the model
-        (a load), not into a staging buffer."""
-        done[rank] = (tensors, nbytes)
+        """One worker's report into the metadata (`tally`: the latest report per worker). A
+        rank's progress is what every worker of it has done; the totals count once every
+        worker reported. `writing`: the tensors went into the model (a load), not into a
+        staging buffer."""
+        tally.latest[(rank, worker)] = (tensors, nbytes)
+        done = tally.rank(rank)
         for progress in self.metadata.ranks:
-            if progress.dp_rank == rank:
-                progress.tensors_done, progress.bytes_done = tensors, nbytes
-                if writing:
-                    progress.phase = pb2.UPDATE_PHASE_LOADING
-        complete = len(done) == len(self.metadata.ranks)
-        self.metadata.tensors_done = min(t for t, _ in done.values()) if complete else 0
-        self.metadata.bytes_done = min(b for _, b in done.values()) if complete else 0
-        if writing and self.metadata.tensors_done:
+            if progress.dp_rank != rank:
+                continue
+            entry = _worker_entry(progress, worker)
+            entry.tensors_loaded, entry.bytes_loaded = tensors, nbytes
+            entry.weights_modified = entry.weights_modified or (writing and tensors > 0)
+            if done is not None:
+                progress.tensors_done, progress.bytes_done = done
+            if writing and tensors:
+                progress.phase = pb2.UPDATE_PHASE_LOADING
+        total = tally.total()
+        self.metadata.tensors_done, self.metadata.bytes_done = total if total is not None else (0, 0)
+        if writing and tensors:
+            # This worker handed a tensor to the model: the weights may be mixed now, even if
+            # another worker of the rank has not loaded one yet.
             self.metadata.phase = pb2.UPDATE_PHASE_LOADING
             self.metadata.weights_modified = True
+        self.touch()
+
+    def record_results(self, results: Sequence[pb2.RankUpdateResult]) -> None:
+        """The workers' own account of how their load ended (load_results_proto of their
+        results, which the rate-limited progress reports may not have caught up with): each
+        rank's totals and every worker's entry, success or not."""
+        by_rank = {progress.dp_rank: progress for progress in self.metadata.ranks}
+        for result in results:
+            progress = by_rank.get(result.dp_rank)
+            if progress is None:
+                continue
+            progress.tensors_done, progress.bytes_done = result.tensors_loaded, result.bytes_loaded
+            del progress.workers[:]
+            progress.workers.extend(result.workers)
         self.touch()
 
     def finish(
@@ -172,3 +220,14 @@ class OperationStore:
 
     def list(self) -> list[UpdateOperation]:
         return list(reversed(self._ops.values()))  # newest first
+
+
+def _worker_entry(progress: pb2.RankUpdateProgress, worker: int) -> pb2.WorkerLoad:
+    """The entry of `worker` in a rank's progress, added in worker_rank order if missing."""
+    for entry in progress.workers:
+        if entry.worker_rank == worker:
+            return entry
+    entries = sorted([*progress.workers, pb2.WorkerLoad(worker_rank=worker)], key=lambda w: w.worker_rank)
+    del progress.workers[:]
+    progress.workers.extend(entries)
+    return next(e for e in progress.workers if e.worker_rank == worker)

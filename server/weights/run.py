@@ -24,12 +24,13 @@ from enginectl.contract.engine import UNDECLARED_LABEL, Cause, LoadResult, Pause
 from enginectl.server.errors import ControlPlaneError, Reason, to_status
 from enginectl.server.limits import RPC_GRACE_S
 from enginectl.server.weights.channels import UpdateChannels
+from enginectl.server.weights.convert import load_results_proto
 from enginectl.server.weights.engine_protocols import UpdateEngine
 from enginectl.server.weights.fingerprints import WeightFingerprints
 from enginectl.server.weights.generation import Generation
 from enginectl.server.weights.groups import BREAKING_CAUSES, UpdateGroups
 from enginectl.server.weights.ledger import Failure, VersionState, WeightVersionLedger
-from enginectl.server.weights.operations import UpdateOperation
+from enginectl.server.weights.operations import ProgressTally, UpdateOperation
 from enginectl.server.weights.outcome import UpdateFailed, UpdatePause, report_finished, success_response
 from enginectl.server.weights.plans import UpdatePlan
 from enginectl.server.weights.staging import Feed, Staging
@@ -105,6 +106,7 @@ class UpdateRun:
             op.set_phase(pb2.UPDATE_PHASE_RECEIVING if self._feed or plan.group else pb2.UPDATE_PHASE_LOADING)
             results = await (self._loader(self) if self._loader is not None else self._load())
             self.marks.append(("load", time.monotonic()))
+            op.record_results(load_results_proto(results))  # every worker's own account, ok or not
             errors = [(r.error.cause, r.error.message) for r in results if r.error is not None]
             modified = any(r.weights_modified for r in results)
             if channels.aborted and not errors:
@@ -197,7 +199,7 @@ class UpdateRun:
         op, plan, channels = self.op, self.plan, self.channels
         worker_plan = plan.worker_plan(channels, self._deadline)
         load = asyncio.ensure_future(self._parts.engine.load(worker_plan, timeout=plan.timeout + RPC_GRACE_S))
-        progress = asyncio.ensure_future(op.follow_progress(channels.next_progress))
+        progress = asyncio.ensure_future(op.follow_progress(ProgressTally(channels.layout), channels.next_progress))
         loop = asyncio.get_running_loop()
         timer = loop.call_at(
             loop.time() + max(self._deadline - time.time(), 0.0),

@@ -33,7 +33,7 @@ import structlog
 import zmq.asyncio
 
 from enginectl.contract import frames
-from enginectl.contract.engine import STAGED_DIGEST_METHOD, Cause, StageResult
+from enginectl.contract.engine import STAGED_DIGEST_METHOD, Cause, StageResult, WorkerLayout
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, to_status
 from enginectl.server.limits import RPC_GRACE_S
 from enginectl.server.weights.channels import UpdateChannels
@@ -46,7 +46,7 @@ from enginectl.server.weights.convert import (
 )
 from enginectl.server.weights.engine_protocols import StagingEngine
 from enginectl.server.weights.ledger import Fingerprint, WeightVersionLedger
-from enginectl.server.weights.operations import UpdateOperation
+from enginectl.server.weights.operations import ProgressTally, UpdateOperation
 from enginectl.server.weights.outcome import UpdateFailed
 from enginectl.server.weights.plans import UpdatePlan
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
@@ -104,7 +104,7 @@ class Staging:
         ledger: WeightVersionLedger,
         ctx: zmq.asyncio.Context,
         directory: Path,
-        ranks: int,
+        layout: WorkerLayout,
         *,
         max_bytes: int,
         ttl: float = DEFAULT_TTL_S,
@@ -114,7 +114,7 @@ class Staging:
         self._ledger = ledger
         self._ctx = ctx
         self._dir = directory
-        self._ranks = ranks
+        self._layout = layout  # the workers an update's channels address
         self.max_bytes = max_bytes
         self.ttl = ttl
         self._on_bytes = on_bytes  # the staged-bytes gauge
@@ -167,7 +167,7 @@ class Staging:
         """The stage, start to end; every way out finishes the Operation."""
         plan = staged.plan
         deadline = time.time() + plan.timeout
-        channels = UpdateChannels(self._ctx, self._dir, staged.token, self._ranks)
+        channels = UpdateChannels(self._ctx, self._dir, staged.token, self._layout)
         op.on_abort = channels.abort
         if op.cancel_requested.is_set():
             channels.abort(Cause.UPDATE_CANCELLED, "CancelOperation before staging began")
@@ -403,7 +403,7 @@ async def _follow(
     the channel stays quiet for QUIET_S, `ended()` says every worker's staging is over (a
     report can be lost: a worker gives up sending it after STAGED_SEND_TIMEOUT_MS)."""
     pending = set(workers)
-    done: dict[int, tuple[int, int]] = {}
+    tally = ProgressTally(channels.layout)
     while pending:
         if not await channels.progress.poll(QUIET_S * 1000):
             if await ended():
@@ -414,7 +414,7 @@ async def _follow(
         if len(report) == 2:
             pending.discard((report[0], report[1]))
         else:
-            op.record_progress(done, *report, writing=False)
+            op.record_progress(tally, *report, writing=False)
 
 
 def _fold(results: list[StageResult]) -> Fingerprint:

@@ -89,7 +89,7 @@ class WeightUpdates:
             ledger,
             self._ctx,
             self._dir,
-            self._ranks,
+            engine.info.layout,
             max_bytes=max_staged_bytes if max_staged_bytes is not None else model_bytes,
             ttl=staged_ttl,
             on_bytes=on_staged_bytes,
@@ -304,7 +304,7 @@ class WeightUpdates:
             version=plan.version,
             tensors=len(plan.tensors),
         )
-        channels = UpdateChannels(self._ctx, self._dir, op_id[:36], self._ranks)
+        channels = UpdateChannels(self._ctx, self._dir, op_id[:36], self._engine.info.layout)
         asyncio.ensure_future(UpdateRun(self._parts, op, plan, channels, lock, feed, loader).run())
         return op, True
 

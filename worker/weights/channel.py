@@ -13,6 +13,7 @@ import zmq
 from enginectl.contract import frames
 from enginectl.contract.engine import Cause, LoadPlan, Source
 from enginectl.worker.weights.cores import unbound
+from enginectl.worker.weights.ranks import WorkerPlace
 
 PROGRESS_INTERVAL_S = 0.05
 POLL_MS = 20
@@ -31,14 +32,16 @@ class Abort(Exception):
 
 
 class Channel:
-    """Data and aborts in (PULL), progress out (PUSH), and the update's deadline."""
+    """Data and aborts in (PULL), progress out (PUSH), and the update's deadline. The data
+    channel is this worker's own (`plan.data_endpoints[place.index]`): every worker of a
+    rank receives the whole stream and every abort."""
 
-    def __init__(self, plan: LoadPlan, dp_rank: int) -> None:
+    def __init__(self, plan: LoadPlan, place: WorkerPlace) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         with unbound():  # ZMQ starts its I/O thread with the context's first socket
             self.data = self._ctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.LINGER, 0)
-        self.data.connect(plan.data_endpoints[dp_rank])
+        self.data.connect(plan.data_endpoints[place.index])
         self.progress_socket = self._ctx.socket(zmq.PUSH)
         self.progress_socket.setsockopt(zmq.LINGER, 0)
         self.progress_socket.setsockopt(zmq.SNDHWM, 4)
@@ -46,7 +49,7 @@ class Channel:
         self.deadline = plan.deadline  # time.time() based
         # On the tensor stream, data frames are the payload: only recv() may read them.
         self._peek_aborts = plan.source != Source.TENSORS
-        self.dp_rank = dp_rank
+        self.place = place
         self._last_progress = 0.0
         self._next_abort_poll = 0.0  # time.monotonic() based
         self._latest = self._sent = (0, 0)  # (tensors, bytes) loaded; and as last reported
@@ -84,7 +87,9 @@ class Channel:
         if self._latest == self._sent:
             return
         try:
-            self.progress_socket.send(frames.progress(self.dp_rank, *self._latest), zmq.NOBLOCK)
+            self.progress_socket.send(
+                frames.progress(self.place.dp_rank, self.place.worker_rank, *self._latest), zmq.NOBLOCK
+            )
         except zmq.Again:
             return  # the server is behind; the next progress or flush sends the latest
         self._sent = self._latest

@@ -43,7 +43,7 @@ from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.fingerprints import FingerprintMixin, weight_access
 from enginectl.worker.weights.groups import GroupsMixin, aligned, typed_view
 from enginectl.worker.weights.ipc import IpcTensors
-from enginectl.worker.weights.ranks import dp_rank, global_rank
+from enginectl.worker.weights.ranks import place
 from enginectl.worker.weights.staging import StagingMixin
 from enginectl.worker.weights.transfer_engine import register as register_transfer_engine
 from enginectl.worker.weights.transfer_steps import TransferMixin
@@ -75,9 +75,9 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin, Tran
 
     def _enginectl_load(self, plan: LoadPlan) -> LoadResult:
         started = time.monotonic()
-        rank = dp_rank(self)
+        where = place(self)
         state = _LoadState()
-        channel = Channel(plan, rank)
+        channel = Channel(plan, where)
         mapped: IpcTensors | None = None
         try:
             if plan.source == Source.DISK:
@@ -90,7 +90,7 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin, Tran
                 tensors = self._enginectl_stream_tensors(plan, channel)
             elif plan.source == Source.IPC:
                 # Every handle mapped before vLLM sees a tensor: a bad one changes nothing.
-                mapped = IpcTensors(plan, global_rank(self))
+                mapped = IpcTensors(plan, where.index)
                 tensors = iter(mapped.pairs)
             else:
                 tensors = self._enginectl_broadcast_tensors(plan, channel)
@@ -134,8 +134,8 @@ class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin, Tran
             channel.progress(state.loaded, state.nbytes, force=True)
             channel.close()
         return LoadResult(
-            dp_rank=rank,
-            worker_rank=int(self.rank),  # type: ignore[attr-defined]
+            dp_rank=where.dp_rank,
+            worker_rank=where.worker_rank,
             tensors_loaded=state.loaded,
             bytes_loaded=state.nbytes,
             weights_modified=state.yielded > 0,

@@ -49,7 +49,7 @@ from enginectl.contract.engine import (
 from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.cores import unbind_this_thread
 from enginectl.worker.weights.groups import typed_view
-from enginectl.worker.weights.ranks import dp_rank
+from enginectl.worker.weights.ranks import dp_rank, place
 
 STAGED_SEND_TIMEOUT_MS = 10_000  # the `staged` report waits this long for a slow server
 # Fault injection for tests only, for faults no real input causes on demand; a comma list:
@@ -96,7 +96,8 @@ class StagingMixin:
         """Start staging `plan` on a background thread; answers a StageAck at once. The
         thread reports `frames.staged` on the progress channel when it ends."""
         plan = read(LoadPlan, plan_wire)
-        rank, worker = dp_rank(self), int(self.rank)  # type: ignore[attr-defined]
+        where = place(self)
+        rank, worker = where.dp_rank, where.worker_rank
         state = self._enginectl_staging()
         _drop(state, free=False)  # the server keeps one set; a set it lost track of goes
         if state.committed:
@@ -104,7 +105,7 @@ class StagingMixin:
         offsets, total = _layout(plan.tensors)
         buffer = _buffer(state, total)
         staged = state.current = Staged(plan.stage_token, plan.source, plan.tensors, offsets, buffer)
-        channel = Channel(plan, rank)  # from here on used by the staging thread only
+        channel = Channel(plan, where)  # from here on used by the staging thread only
         # A broadcast's tensors are received lazily, on the staging thread.
         source = (
             self._enginectl_broadcast_tensors(plan, channel)  # type: ignore[attr-defined]

@@ -1559,14 +1559,23 @@ class RankUpdateProgress(_message.Message):
     PHASE_FIELD_NUMBER: _builtins.int
     TENSORS_DONE_FIELD_NUMBER: _builtins.int
     BYTES_DONE_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
     dp_rank: _builtins.int
     """Data-parallel rank, from 0."""
     phase: Global___UpdatePhase.ValueType
     """Where this rank is (ranks may differ while receiving and loading)."""
     tensors_done: _builtins.int
-    """Tensors written into this rank's model so far."""
+    """Tensors written into this rank's model so far: what every worker of the rank has
+    loaded (with tensor parallelism each worker loads every tensor, its shard of it).
+    """
     bytes_done: _builtins.int
-    """Bytes written into this rank's model so far."""
+    """Bytes written into this rank's model so far, counted as `tensors_done`."""
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerLoad]:
+        """One entry per worker of this rank (tensor x pipeline parallel), in worker_rank order,
+        once it reported.
+        """
+
     def __init__(
         self,
         *,
@@ -1574,14 +1583,58 @@ class RankUpdateProgress(_message.Message):
         phase: Global___UpdatePhase.ValueType = ...,
         tensors_done: _builtins.int = ...,
         bytes_done: _builtins.int = ...,
+        workers: _abc.Iterable[Global___WorkerLoad] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_done", b"bytes_done", "dp_rank", b"dp_rank", "phase", b"phase", "tensors_done", b"tensors_done"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_done", b"bytes_done", "dp_rank", b"dp_rank", "phase", b"phase", "tensors_done", b"tensors_done", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RankUpdateProgress: _TypeAlias = RankUpdateProgress  # noqa: Y015
+
+@_typing.final
+class WorkerLoad(_message.Message):
+    """What one worker of a data-parallel rank has loaded. With tensor parallelism every worker
+    of a rank receives every tensor and loads its shard; a rank's weights are whole only when
+    every worker loaded every tensor.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_RANK_FIELD_NUMBER: _builtins.int
+    TENSORS_LOADED_FIELD_NUMBER: _builtins.int
+    BYTES_LOADED_FIELD_NUMBER: _builtins.int
+    WEIGHTS_MODIFIED_FIELD_NUMBER: _builtins.int
+    ERROR_CAUSE_FIELD_NUMBER: _builtins.int
+    worker_rank: _builtins.int
+    """The worker's rank among its data-parallel rank's workers, from 0."""
+    tensors_loaded: _builtins.int
+    """Tensors this worker handed to its model."""
+    bytes_loaded: _builtins.int
+    """Bytes of those tensors (as sent or stored, before any cast)."""
+    weights_modified: _builtins.bool
+    """A tensor reached this worker's model: its weights may have changed."""
+    error_cause: _builtins.str
+    """Why this worker failed (a stable cause, e.g. "UPDATE_TIMEOUT"); empty when it did not,
+    or has not ended yet.
+    """
+    def __init__(
+        self,
+        *,
+        worker_rank: _builtins.int = ...,
+        tensors_loaded: _builtins.int = ...,
+        bytes_loaded: _builtins.int = ...,
+        weights_modified: _builtins.bool = ...,
+        error_cause: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_loaded", b"bytes_loaded", "error_cause", b"error_cause", "tensors_loaded", b"tensors_loaded", "weights_modified", b"weights_modified", "worker_rank", b"worker_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerLoad: _TypeAlias = WorkerLoad  # noqa: Y015
 
 @_typing.final
 class UpdateWeightsResponse(_message.Message):
@@ -1865,15 +1918,24 @@ class RankUpdateResult(_message.Message):
     TENSORS_LOADED_FIELD_NUMBER: _builtins.int
     BYTES_LOADED_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
     dp_rank: _builtins.int
     """Data-parallel rank, from 0."""
     tensors_loaded: _builtins.int
-    """Tensors loaded into this rank's model."""
+    """Tensors loaded into this rank's model: what every worker of the rank loaded (with tensor
+    parallelism each worker loads every tensor, its shard of it).
+    """
     bytes_loaded: _builtins.int
-    """Bytes loaded into this rank's model (as sent or stored, before any cast)."""
+    """Bytes loaded into this rank's model (as sent or stored, before any cast), counted as
+    `tensors_loaded`: the checkpoint's bytes once, not once per worker.
+    """
     @_builtins.property
     def duration(self) -> _duration_pb2.Duration:
-        """Time this rank spent receiving and loading."""
+        """Time this rank spent receiving and loading (its slowest worker)."""
+
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerLoad]:
+        """One entry per worker of this rank (tensor x pipeline parallel), in worker_rank order."""
 
     def __init__(
         self,
@@ -1882,10 +1944,11 @@ class RankUpdateResult(_message.Message):
         tensors_loaded: _builtins.int = ...,
         bytes_loaded: _builtins.int = ...,
         duration: _duration_pb2.Duration | None = ...,
+        workers: _abc.Iterable[Global___WorkerLoad] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_loaded", b"bytes_loaded", "dp_rank", b"dp_rank", "duration", b"duration", "tensors_loaded", b"tensors_loaded"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_loaded", b"bytes_loaded", "dp_rank", b"dp_rank", "duration", b"duration", "tensors_loaded", b"tensors_loaded", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

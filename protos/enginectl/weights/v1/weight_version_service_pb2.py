@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from enginectl.weights.v1 import weight_version_pb2 as enginectl_dot_weights_dot_v1_dot_weight__version__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n1enginectl/weights/v1/weight_version_service.proto\x12\x14\x65nginectl.weights.v1\x1a)enginectl/weights/v1/weight_version.proto\"\x19\n\x17GetWeightVersionRequest\"W\n\x18GetWeightVersionResponse\x12;\n\x0eweight_version\x18\x01 \x01(\x0b\x32#.enginectl.weights.v1.WeightVersion\"L\n\x17SetWeightVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04\x65tag\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"W\n\x18SetWeightVersionResponse\x12;\n\x0eweight_version\x18\x01 \x01(\x0b\x32#.enginectl.weights.v1.WeightVersion\"`\n\x19WatchWeightVersionRequest\x12\x1b\n\x0esince_revision\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0bincarnation\x18\x02 \x01(\tB\x11\n\x0f_since_revision\"Y\n\x1aWatchWeightVersionResponse\x12;\n\x0eweight_version\x18\x01 \x01(\x0b\x32#.enginectl.weights.v1.WeightVersion\"$\n\x14VerifyWeightsRequest\x12\x0c\n\x04\x66ull\x18\x01 \x01(\x08\"\x8a\x01\n\x10RankVerification\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\x05\x12\x34\n\x07verdict\x18\x02 \x01(\x0e\x32#.enginectl.weights.v1.VerifyVerdict\x12\x17\n\x0frecorded_digest\x18\x03 \x01(\t\x12\x16\n\x0e\x63urrent_digest\x18\x04 \x01(\t\"\xd1\x01\n\x15VerifyWeightsResponse\x12\x34\n\x07verdict\x18\x01 \x01(\x0e\x32#.enginectl.weights.v1.VerifyVerdict\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x35\n\x05ranks\x18\x03 \x03(\x0b\x32&.enginectl.weights.v1.RankVerification\x12;\n\x0eweight_version\x18\x04 \x01(\x0b\x32#.enginectl.weights.v1.WeightVersion*\x84\x01\n\rVerifyVerdict\x12\x1e\n\x1aVERIFY_VERDICT_UNSPECIFIED\x10\x00\x12\x18\n\x14VERIFY_VERDICT_MATCH\x10\x01\x12\x1a\n\x16VERIFY_VERDICT_DRIFTED\x10\x02\x12\x1d\n\x19VERIFY_VERDICT_UNDECLARED\x10\x03\x32\xe1\x03\n\x14WeightVersionService\x12q\n\x10GetWeightVersion\x12-.enginectl.weights.v1.GetWeightVersionRequest\x1a..enginectl.weights.v1.GetWeightVersionResponse\x12q\n\x10SetWeightVersion\x12-.enginectl.weights.v1.SetWeightVersionRequest\x1a..enginectl.weights.v1.SetWeightVersionResponse\x12y\n\x12WatchWeightVersion\x12/.enginectl.weights.v1.WatchWeightVersionRequest\x1a\x30.enginectl.weights.v1.WatchWeightVersionResponse0\x01\x12h\n\rVerifyWeights\x12*.enginectl.weights.v1.VerifyWeightsRequest\x1a+.enginectl.weights.v1.VerifyWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n1enginectl/weights/v1/weight_version_service.proto\x12\x14\x65nginectl.weights.v1\x1a)enginectl/weights/v1/weight_version.proto\"\x19\n\x17GetWeightVersionRequest\"W\n\x18GetWeightVersionResponse\x12;\n\x0eweight_version\x18\x01 \x01(\x0b\x32#.enginectl.weights.v1.WeightVersion\"L\n\x17SetWeightVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04\x65tag\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"W\n\x18SetWeightVersionResponse\x12;\n\x0eweight_version\x18\x01 \x01(\x0b\x32#.enginectl.weights.v1.WeightVersion\"`\n\x19WatchWeightVersionRequest\x12\x1b\n\x0esince_revision\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0bincarnation\x18\x02 \x01(\tB\x11\n\x0f_since_revision\"Y\n\x1aWatchWeightVersionResponse\x12;\n\x0eweight_version\x18\x01 \x01(\x0b\x32#.enginectl.weights.v1.WeightVersion\"$\n\x14VerifyWeightsRequest\x12\x0c\n\x04\x66ull\x18\x01 \x01(\x08\"\xc5\x01\n\x10RankVerification\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\x05\x12\x34\n\x07verdict\x18\x02 \x01(\x0e\x32#.enginectl.weights.v1.VerifyVerdict\x12\x17\n\x0frecorded_digest\x18\x03 \x01(\t\x12\x16\n\x0e\x63urrent_digest\x18\x04 \x01(\t\x12\x39\n\x07workers\x18\x05 \x03(\x0b\x32(.enginectl.weights.v1.WorkerVerification\"\x90\x01\n\x12WorkerVerification\x12\x13\n\x0bworker_rank\x18\x01 \x01(\x05\x12\x34\n\x07verdict\x18\x02 \x01(\x0e\x32#.enginectl.weights.v1.VerifyVerdict\x12\x17\n\x0frecorded_digest\x18\x03 \x01(\t\x12\x16\n\x0e\x63urrent_digest\x18\x04 \x01(\t\"\xd1\x01\n\x15VerifyWeightsResponse\x12\x34\n\x07verdict\x18\x01 \x01(\x0e\x32#.enginectl.weights.v1.VerifyVerdict\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x35\n\x05ranks\x18\x03 \x03(\x0b\x32&.enginectl.weights.v1.RankVerification\x12;\n\x0eweight_version\x18\x04 \x01(\x0b\x32#.enginectl.weights.v1.WeightVersion*\x84\x01\n\rVerifyVerdict\x12\x1e\n\x1aVERIFY_VERDICT_UNSPECIFIED\x10\x00\x12\x18\n\x14VERIFY_VERDICT_MATCH\x10\x01\x12\x1a\n\x16VERIFY_VERDICT_DRIFTED\x10\x02\x12\x1d\n\x19VERIFY_VERDICT_UNDECLARED\x10\x03\x32\xe1\x03\n\x14WeightVersionService\x12q\n\x10GetWeightVersion\x12-.enginectl.weights.v1.GetWeightVersionRequest\x1a..enginectl.weights.v1.GetWeightVersionResponse\x12q\n\x10SetWeightVersion\x12-.enginectl.weights.v1.SetWeightVersionRequest\x1a..enginectl.weights.v1.SetWeightVersionResponse\x12y\n\x12WatchWeightVersion\x12/.enginectl.weights.v1.WatchWeightVersionRequest\x1a\x30.enginectl.weights.v1.WatchWeightVersionResponse0\x01\x12h\n\rVerifyWeights\x12*.enginectl.weights.v1.VerifyWeightsRequest\x1a+.enginectl.weights.v1.VerifyWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'enginectl.weights.v1.weight_version_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFYVERDICT']._serialized_start=982
-  _globals['_VERIFYVERDICT']._serialized_end=1114
+  _globals['_VERIFYVERDICT']._serialized_start=1188
+  _globals['_VERIFYVERDICT']._serialized_end=1320
   _globals['_GETWEIGHTVERSIONREQUEST']._serialized_start=118
   _globals['_GETWEIGHTVERSIONREQUEST']._serialized_end=143
   _globals['_GETWEIGHTVERSIONRESPONSE']._serialized_start=145
@@ -49,9 +49,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYWEIGHTSREQUEST']._serialized_start=590
   _globals['_VERIFYWEIGHTSREQUEST']._serialized_end=626
   _globals['_RANKVERIFICATION']._serialized_start=629
-  _globals['_RANKVERIFICATION']._serialized_end=767
-  _globals['_VERIFYWEIGHTSRESPONSE']._serialized_start=770
-  _globals['_VERIFYWEIGHTSRESPONSE']._serialized_end=979
-  _globals['_WEIGHTVERSIONSERVICE']._serialized_start=1117
-  _globals['_WEIGHTVERSIONSERVICE']._serialized_end=1598
+  _globals['_RANKVERIFICATION']._serialized_end=826
+  _globals['_WORKERVERIFICATION']._serialized_start=829
+  _globals['_WORKERVERIFICATION']._serialized_end=973
+  _globals['_VERIFYWEIGHTSRESPONSE']._serialized_start=976
+  _globals['_VERIFYWEIGHTSRESPONSE']._serialized_end=1185
+  _globals['_WEIGHTVERSIONSERVICE']._serialized_start=1323
+  _globals['_WEIGHTVERSIONSERVICE']._serialized_end=1804
 # @@protoc_insertion_point(module_scope)

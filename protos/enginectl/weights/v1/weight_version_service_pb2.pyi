@@ -261,6 +261,7 @@ class RankVerification(_message.Message):
     VERDICT_FIELD_NUMBER: _builtins.int
     RECORDED_DIGEST_FIELD_NUMBER: _builtins.int
     CURRENT_DIGEST_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
     dp_rank: _builtins.int
     """Data-parallel rank, from 0."""
     verdict: Global___VerifyVerdict.ValueType
@@ -269,6 +270,13 @@ class RankVerification(_message.Message):
     """Digest recorded at the last declaration; empty when undeclared."""
     current_digest: _builtins.str
     """Digest of the weights in memory now."""
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerVerification]:
+        """One entry per worker of this rank (tensor x pipeline parallel), in worker_rank order:
+        with tensor parallelism each worker holds its own shard, and a rank that drifted names
+        the worker whose shard differs.
+        """
+
     def __init__(
         self,
         *,
@@ -276,14 +284,49 @@ class RankVerification(_message.Message):
         verdict: Global___VerifyVerdict.ValueType = ...,
         recorded_digest: _builtins.str = ...,
         current_digest: _builtins.str = ...,
+        workers: _abc.Iterable[Global___WorkerVerification] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_digest", b"current_digest", "dp_rank", b"dp_rank", "recorded_digest", b"recorded_digest", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_digest", b"current_digest", "dp_rank", b"dp_rank", "recorded_digest", b"recorded_digest", "verdict", b"verdict", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RankVerification: _TypeAlias = RankVerification  # noqa: Y015
+
+@_typing.final
+class WorkerVerification(_message.Message):
+    """VerifyWeights result of one worker of a data-parallel rank."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_RANK_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
+    RECORDED_DIGEST_FIELD_NUMBER: _builtins.int
+    CURRENT_DIGEST_FIELD_NUMBER: _builtins.int
+    worker_rank: _builtins.int
+    """The worker's rank among its data-parallel rank's workers, from 0."""
+    verdict: Global___VerifyVerdict.ValueType
+    """This worker's verdict."""
+    recorded_digest: _builtins.str
+    """Digest of this worker's shard recorded at the last declaration; empty when undeclared."""
+    current_digest: _builtins.str
+    """Digest of this worker's shard now."""
+    def __init__(
+        self,
+        *,
+        worker_rank: _builtins.int = ...,
+        verdict: Global___VerifyVerdict.ValueType = ...,
+        recorded_digest: _builtins.str = ...,
+        current_digest: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_digest", b"current_digest", "recorded_digest", b"recorded_digest", "verdict", b"verdict", "worker_rank", b"worker_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerVerification: _TypeAlias = WorkerVerification  # noqa: Y015
 
 @_typing.final
 class VerifyWeightsResponse(_message.Message):
