@@ -39,12 +39,24 @@ from bench.lib.provenance import machine_info, repo_info
 from bench.rollouts import phase as rollouts_grpc
 from bench.run_report import TARGETS, figures, markdown
 from bench.weights import phase as weights
+from bench.weights import tensor_parallel
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # The phases whose baselines are vLLM's own HTTP routes, on a plain vLLM API server
 # (bench/lib/procs.py vllm_server): `enginectl serve` mounts enginectl's routes on those paths.
 VLLM_PHASES = ("latency", "weights")
-PHASES = ("latency", "rollouts", "throughput", "grpc_rollouts", "gateway", "fpm", "fpm_publish", "weights", "fleet")
+PHASES = (
+    "latency",
+    "rollouts",
+    "throughput",
+    "grpc_rollouts",
+    "gateway",
+    "fpm",
+    "fpm_publish",
+    "weights",
+    "fleet",
+    "tensor_parallel",
+)
 DIAGNOSTIC_VARIANTS = ("bare-uvloop", "intercepted-nolog", "intercepted", "controlplane")
 
 
@@ -363,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             results["weights"] = weights.phase(args.quick, vllm.http_port)
         if "fleet" in phases:  # its own two servers on the same synthetic model
             results["fleet"] = fleet.phase(args.quick)
+        if "tensor_parallel" in phases:  # its own TP=1 and TP=2 servers on the same synthetic models
+            results["tensor_parallel"] = tensor_parallel.phase(args.quick)
         results["enginectl_log_lines"] = eng.lines_seen
     finally:
         if vllm:

@@ -11,6 +11,7 @@ from bench.gateway import phase as gateway
 from bench.lib.stats import ratio
 from bench.rollouts import phase as rollouts_grpc
 from bench.weights import phase as weights
+from bench.weights import tensor_parallel
 
 TARGETS = {  # bench/README.md, figures 1-3 and 7
     "latency_vs_bare": 1.15,  # enginectl p50 / bare grpc.aio p50 <=
@@ -122,6 +123,7 @@ def figures(results: dict) -> list[dict]:
     out += fpm_publish.figures(results)
     out += weights.figures(results)
     out += fleet.figures(results)
+    out += tensor_parallel.figures(results)
     return out
 
 
@@ -226,6 +228,7 @@ def markdown(results: dict) -> str:
     lines += fpm_publish.markdown(results)
     lines += weights.markdown(results)
     lines += fleet.markdown(results)
+    lines += tensor_parallel.markdown(results)
     if results.get("notes"):
         lines += [""] + [f"- {n}" for n in results["notes"]]
     return "\n".join(lines) + "\n"
