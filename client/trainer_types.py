@@ -73,7 +73,8 @@ class UpdateProgress:
 @dataclass(frozen=True)
 class WorkerResult:
     """What an update loaded on one worker of a rank (tensor x pipeline parallel): with tensor
-    parallelism every worker loads every tensor, its own shard of it."""
+    parallelism every worker is handed every tensor and keeps its own shard of it, so its
+    `bytes_loaded` counts the checkpoint's bytes, as its rank's does."""
 
     worker_rank: int
     tensors_loaded: int

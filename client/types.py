@@ -18,6 +18,7 @@ class UpdateFailure:
     time: datetime | None
     attempted_version: str
     operation: str
+    cause: str = ""  # what made it fail, e.g. "STREAM_BROKEN", "WEIGHTS_NOT_FINITE"
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class WeightVersion:
                 time=_time(f, "time"),
                 attempted_version=f.attempted_version,
                 operation=f.operation,
+                cause=f.cause,
             )
         return cls(
             declared=msg.declared,

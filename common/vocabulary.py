@@ -112,6 +112,9 @@ class Reason:
     TRANSFER_NOT_STARTED = "TRANSFER_NOT_STARTED"  # a batch or finish without an open round
     TRANSFER_STEP_TIMEOUT = "TRANSFER_STEP_TIMEOUT"  # the trainer's next step did not come in time
     TRANSFER_FAILED = "TRANSFER_FAILED"  # the engine failed a batch or the finish
+    # After a load, a layer of the model computes NaN or infinity (docs/weights.md,
+    # "Recovery after a partial update"): the weights are not served.
+    WEIGHTS_NOT_FINITE = "WEIGHTS_NOT_FINITE"
     STAGE_UNSUPPORTED = "STAGE_UNSUPPORTED"  # stage_only through an engine that can not stage
 
 

@@ -106,6 +106,9 @@ class WorkerRpc(str, enum.Enum):
     DISCARD_STAGED = "enginectl_discard_staged"
     # vLLM's weight-transfer engine (the worker's own four-step methods), one step per call.
     TRANSFER = "enginectl_transfer"
+    # After a load, before generation resumes: every layer computes finite values; after a
+    # partial update, the KV cache is zeroed too (worker/weights/checks.py).
+    CHECK_LOADED = "enginectl_check_loaded"
 
 
 # enginectl's weight-transfer engine, in vLLM's factory (worker/weights/transfer_engine.py).
@@ -159,6 +162,7 @@ class Cause(str, enum.Enum):
     WORKER_TIMEOUT = Reason.WORKER_TIMEOUT  # a worker RPC outlived its timeout (its answer was dropped)
     TRANSFER_STEP_TIMEOUT = Reason.TRANSFER_STEP_TIMEOUT  # the trainer's next step did not come
     TRANSFER_FAILED = Reason.TRANSFER_FAILED  # a transfer engine failed a batch or the finish
+    WEIGHTS_NOT_FINITE = Reason.WEIGHTS_NOT_FINITE  # a layer computes NaN or infinity after the load
 
 
 class RankFailure(str, enum.Enum):
@@ -321,6 +325,17 @@ class LoadResult(msgspec.Struct, frozen=True):
     weights_modified: bool  # a tensor was handed to vLLM: the weights may be mixed
     duration: float
     error: LoadError | None = None
+
+
+class LoadCheck(msgspec.Struct, frozen=True):
+    """One worker's answer to CHECK_LOADED: how long it took, the KV-cache bytes it zeroed, and
+    the first tensor or layer that computes a non-finite value ("" when none does)."""
+
+    dp_rank: int
+    worker_rank: int
+    seconds: float
+    kv_bytes_cleared: int = 0
+    not_finite: str = ""
 
 
 # --- staging (WorkerRpc.STAGE, STAGE_RESULT, DISCARD_STAGED) -------------------------------

@@ -34,6 +34,7 @@ from enginectl.contract.engine import (
     FinishUpdate,
     GroupJoined,
     GroupSpec,
+    LoadCheck,
     LoadPlan,
     LoadResult,
     PauseReason,
@@ -333,6 +334,13 @@ class EngineAdapter:
         the RPC itself (the workers stop at `plan.deadline`)."""
         per_rank = await self._worker_calls.call(WorkerRpc.LOAD, wire(plan), timeout=timeout)
         return [read(LoadResult, worker) for workers in per_rank for worker in workers]
+
+    async def check_loaded(self, clear_kv: bool) -> list[LoadCheck]:
+        """After a load, every worker checks that its model computes finite values (and with
+        `clear_kv` zeroes its KV cache first: worker/weights/checks.py); one answer per worker,
+        rank by rank."""
+        per_rank = await self._worker_calls.call(WorkerRpc.CHECK_LOADED, clear_kv, timeout=DIGEST_RPC_TIMEOUT_S)
+        return [read(LoadCheck, worker) for workers in per_rank for worker in workers]
 
     async def transfer(self, step: TransferStep, payload: Any, timeout: float) -> list[TransferAnswer]:
         """One step of vLLM's weight-transfer API on every worker (worker/weights/transfer_steps.py);

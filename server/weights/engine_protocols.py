@@ -16,6 +16,7 @@ from enginectl.contract.engine import (
     FinishUpdate,
     GroupJoined,
     GroupSpec,
+    LoadCheck,
     LoadPlan,
     LoadResult,
     PauseReason,
@@ -96,6 +97,8 @@ class UpdateEngine(PauseEngine, GroupEngine, FingerprintEngine, StagingEngine, P
     info: EngineInfo
 
     async def load(self, plan: LoadPlan, timeout: float) -> list[LoadResult]: ...
+
+    async def check_loaded(self, clear_kv: bool) -> list[LoadCheck]: ...
 
     async def set_weight_version(self, version: str) -> None: ...
 

@@ -39,6 +39,7 @@ CAUSE_CODES: dict[str, grpc.StatusCode] = {
     Cause.WORKER_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Cause.TRANSFER_STEP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Cause.TRANSFER_FAILED: grpc.StatusCode.INTERNAL,
+    Cause.WEIGHTS_NOT_FINITE: grpc.StatusCode.DATA_LOSS,  # the weights in memory compute garbage
     Reason.STAGING_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,  # a transfer stage's batch (transfer.py)
 }
 
@@ -70,7 +71,7 @@ class UpdateFailed(Exception):
             f"the update failed after writing began ({self.cause}: {self.message}); the weights may "
             "be mixed: the version is undeclared and generation stays paused until an update succeeds "
             "or ResumeGeneration(force=true)",
-            metadata={"cause": self.cause, "operation": operation},
+            metadata={**self.metadata, "cause": self.cause, "operation": operation},
         )
 
 

@@ -117,7 +117,12 @@ class UpdateRun:
             op.metadata.weights_modified = modified
             resumed = self.pause.resumes and not gen.caller_paused
             op.set_phase(pb2.UPDATE_PHASE_FINGERPRINTING)
-            state = await self._finish(resumed)
+            # An update after a partial one (the engine quarantined, generation maybe forced to
+            # run over mixed weights) also zeroes the KV cache and always resets the prefix cache.
+            recovering = gen.quarantined
+            await self._check(recovering)
+            self.marks.append(("check", time.monotonic()))
+            state = await self._finish(resumed, reset_cache=plan.reset_cache or recovering)
             self._lock.release()
             holding = False
             await gen.set_partial(False)
@@ -224,7 +229,31 @@ class UpdateRun:
                 feeding.cancel()
             progress.cancel()
 
-    async def _finish(self, resume: bool) -> VersionState:
+    async def _check(self, recovering: bool) -> None:
+        """Before generation runs on the new weights: every worker's model computes finite
+        values, and after a partial update every KV cache is zeroed (worker/weights/checks.py,
+        docs/weights.md "Recovery after a partial update"). A layer that computes NaN or
+        infinity fails the update as written (PARTIAL_UPDATE, cause WEIGHTS_NOT_FINITE), named."""
+        checks = await self._parts.engine.check_loaded(clear_kv=recovering)
+        bad = [c for c in checks if c.not_finite]
+        if bad:
+            first = bad[0]
+            raise UpdateFailed(
+                Cause.WEIGHTS_NOT_FINITE,
+                f"{first.not_finite} computes NaN or infinity after the load (DP rank {first.dp_rank}, "
+                f"worker {first.worker_rank}); the weights are not served",
+                modified=True,
+                metadata={"tensor": first.not_finite, "dp_rank": str(first.dp_rank), "worker": str(first.worker_rank)},
+            )
+        if recovering:
+            log.info(
+                "kv cache cleared after a partial update",
+                operation=self.op.name,
+                bytes=sum(c.kv_bytes_cleared for c in checks),
+                seconds=round(max((c.seconds for c in checks), default=0.0), 4),
+            )
+
+    async def _finish(self, resume: bool, reset_cache: bool) -> VersionState:
         """After a successful load: reset the cache, stamp, resume (where the path does it in
         one round trip per rank), fingerprint and record the version; the marks get "finish"
         and "fingerprint". The declaration's fingerprint (a pass over the weights) follows the
@@ -233,7 +262,7 @@ class UpdateRun:
         plan, parts = self.plan, self._parts
         # No version: the new weights are undeclared, and so are the tokens they generate.
         label = plan.version if plan.version is not None else UNDECLARED_LABEL
-        published = await parts.generation.path.finish(plan.reset_cache, label, resume)
+        published = await parts.generation.path.finish(reset_cache, label, resume)
         self.marks.append(("finish", time.monotonic()))
         fingerprint = await parts.fingerprints.declaration() if plan.version is not None else None
         self.marks.append(("fingerprint", time.monotonic()))

@@ -21,6 +21,7 @@ from enginectl.contract.engine import (
     FinishUpdate,
     GroupJoined,
     GroupSpec,
+    LoadCheck,
     LoadError,
     LoadPlan,
     LoadResult,
@@ -42,6 +43,7 @@ class LoadScript:
     error: Cause | None = None
     modified: bool = True
     release: asyncio.Event | None = None
+    not_finite: str = ""  # what the check after the load names as computing NaN ("": none)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class EngineDouble:
     weights: str = "A"  # what is "loaded": the digest is derived from it
     version: str | None = None  # stamped on outputs
     calls: list[str] = field(default_factory=list)
+    finished_with: FinishUpdate | None = None  # the last FINISH_UPDATE request
     script: LoadScript = field(default_factory=LoadScript)
     loading: asyncio.Event = field(default_factory=asyncio.Event)  # set once a load began
     drained: asyncio.Event | None = None  # a WAIT pause waits for it (None: drains at once)
@@ -146,11 +149,16 @@ class EngineDouble:
 
     async def finish_update(self, request: FinishUpdate) -> list[list[WorkerDigest]]:
         self.calls.append(f"finish_update:resume={request.resume}")
+        self.finished_with = request
         if request.version is not None:
             self.version = request.version
         if request.resume:
             self.paused = False
         return [[self._digest()] if request.fingerprint_token else []]
+
+    async def check_loaded(self, clear_kv: bool) -> list[LoadCheck]:
+        self.calls.append("check_loaded" + (" clear_kv" if clear_kv else ""))
+        return [LoadCheck(0, 0, 0.0, 1 if clear_kv else 0, self.script.not_finite)]
 
     async def fingerprint(self) -> list[list[WorkerDigest]]:
         return [[self._digest()]]

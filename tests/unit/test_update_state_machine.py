@@ -86,7 +86,7 @@ async def test_an_update_pauses_with_keep_loads_records_and_resumes(
     assert started
     await finished(updates, op)
     assert op.failure is None
-    assert engine.calls == ["pause:keep", "load", "finish_update:resume=True"]
+    assert engine.calls == ["pause:keep", "load", "check_loaded", "finish_update:resume=True"]
     assert (ledger.state.version, ledger.state.source) == ("v1", WeightSource.TENSORS)
     assert engine.version == "v1" and not engine.paused
     response = pb2.UpdateWeightsResponse()
@@ -108,7 +108,7 @@ async def test_an_engine_already_paused_is_not_paused_again_nor_resumed(
 ) -> None:
     engine.paused = True  # paused by someone else (vLLM's own API)
     await finished(updates, (await updates.start(plan()))[0])
-    assert engine.calls == ["load", "finish_update:resume=False"]
+    assert engine.calls == ["load", "check_loaded", "finish_update:resume=False"]
     assert engine.paused
 
 
@@ -185,7 +185,7 @@ async def test_a_caller_resume_during_an_update_that_found_the_caller_paused_is_
     engine.script.release.set()
     await finished(updates, op)
     assert op.failure is None
-    assert engine.calls == ["load", "finish_update:resume=True"]
+    assert engine.calls == ["load", "check_loaded", "finish_update:resume=True"]
     state = await updates.generation_state()
     assert not state.paused and not engine.paused
 
@@ -263,6 +263,44 @@ async def test_a_forced_resume_after_a_partial_update(
     engine.script = LoadScript()
     await finished(updates, (await updates.start(plan("v2")))[0])
     assert not updates.generation.quarantined and heard == [True, False]
+
+
+async def test_a_load_whose_model_computes_nan_fails_as_written_naming_the_tensor(
+    updates: WeightUpdates, engine: EngineDouble, ledger: WeightVersionLedger, quarantines: list[bool]
+) -> None:
+    """The check after the load (worker/weights/checks.py) names a tensor: the weights are
+    not served (undeclared, held paused, quarantined), and the tensor is in the error."""
+    await ledger.declare("v0")
+    engine.script = LoadScript(not_finite="model.layers.0.mlp.down_proj")
+    op = await finished(updates, (await updates.start(plan("nan")))[0])
+    assert error_reason(op) == Reason.PARTIAL_UPDATE
+    assert op.failure is not None
+    assert (op.failure.metadata["cause"], op.failure.metadata["tensor"]) == (
+        Cause.WEIGHTS_NOT_FINITE.value,
+        "model.layers.0.mlp.down_proj",
+    )
+    assert "model.layers.0.mlp.down_proj" in op.failure.message
+    assert not ledger.state.declared and engine.paused and quarantines == [True]
+    assert "finish_update:resume=True" not in engine.calls  # never resumed over them
+
+
+async def test_an_update_after_a_partial_one_clears_the_kv_cache_and_resets_the_prefix_cache(
+    updates: WeightUpdates, engine: EngineDouble
+) -> None:
+    engine.script = LoadScript(error=Cause.STREAM_BROKEN, modified=True)
+    await finished(updates, (await updates.start(plan("broken")))[0])
+    await updates.resume(pb2.ResumeGenerationRequest(force=True))  # generation over mixed weights
+    engine.calls.clear()
+    engine.script = LoadScript()
+    keep_cache = UpdatePlan(WeightSource.TENSORS, [TENSOR], [], "", "v2", "", "", "keep", False, 30.0)
+    op = await finished(updates, (await updates.start(keep_cache))[0])
+    assert op.failure is None
+    assert "check_loaded clear_kv" in engine.calls
+    assert engine.finished_with is not None and engine.finished_with.reset_cache  # whatever was asked
+    # The next update, from a whole model, neither clears nor overrides the request.
+    engine.calls.clear()
+    await finished(updates, (await updates.start(keep_cache))[0])
+    assert "check_loaded" in engine.calls and not engine.finished_with.reset_cache
 
 
 async def test_a_declaration_accepted_during_an_update_applies_after_it(

@@ -40,6 +40,7 @@ from enginectl.common.safetensors_header import parse_header
 from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, Source, TensorSpec, WorkerRpc, read, wire
 from enginectl.worker.attach import attach
 from enginectl.worker.weights.channel import Abort, Channel
+from enginectl.worker.weights.checks import CheckMixin
 from enginectl.worker.weights.fingerprints import FingerprintMixin, weight_access
 from enginectl.worker.weights.groups import GroupsMixin, aligned, typed_view
 from enginectl.worker.weights.ipc import IpcTensors
@@ -57,7 +58,7 @@ class _LoadState:
     error: LoadError | None = None
 
 
-class EnginectlWorkerExtension(FingerprintMixin, GroupsMixin, StagingMixin, TransferMixin):
+class EnginectlWorkerExtension(FingerprintMixin, CheckMixin, GroupsMixin, StagingMixin, TransferMixin):
     """Mixed into vLLM's worker class (`--worker-extension-cls`); see the module docstring."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> EnginectlWorkerExtension:

@@ -94,7 +94,7 @@ class _FullDigest:
 
     def __init__(self, model: Any, sampled: _Sampled | None = None) -> None:
         self._tensors = sampled.tensors if sampled else _hashable_tensors(model)
-        self.layers = sampled.layers if sampled else list(_packed_linears(model))
+        self.layers = sampled.layers if sampled else list(packed_linears(model))
         self._probes = sampled.probes if sampled else None
         self._digest = hashlib.blake2b(digest_size=16)
         self._index = 0
@@ -281,7 +281,7 @@ def _sampled_digest(model: Any) -> _Sampled:
     """Every parameter at SAMPLE_ELEMENTS evenly spaced elements, plus the probes."""
     digest = hashlib.blake2b(digest_size=16)
     tensors = _hashable_tensors(model)
-    layers = list(_packed_linears(model))
+    layers = list(packed_linears(model))
     with torch.inference_mode():
         for name, tensor in tensors:
             digest.update(_header(name, tensor))
@@ -302,13 +302,13 @@ def _sample_indices(numel: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=4096)
-def _probe_input(name: str, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+def probe_input(name: str, in_features: int, dtype: torch.dtype) -> torch.Tensor:
     """The fixed input of the probe of layer `name`, seeded by its name (kept: it never changes)."""
     generator = torch.Generator().manual_seed(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
     return torch.randn(1, in_features, generator=generator).to(dtype)
 
 
-def _packed_linears(model: Any) -> Iterator[tuple[str, Any, int]]:
+def packed_linears(model: Any) -> Iterator[tuple[str, Any, int]]:
     """Linear layers whose weight vLLM's CPU build moved into an opaque kernel (the weight
     tensor is left empty): (name, module, in_features)."""
     for name, module in sorted(model.named_modules()):
@@ -326,7 +326,7 @@ def _probe_output(name: str, module: Any, in_features: int) -> tuple[str, bytes]
     are not readable, its behaviour is. The kernel is looked up now, so a probe sliced apart
     from the listing of the layers still sees the layer as it is. Call under inference_mode."""
     weight = module.weight
-    probe = _probe_input(name, in_features, weight.dtype)
+    probe = probe_input(name, in_features, weight.dtype)
     return name, module.cpu_linear(probe, weight, None).float().contiguous().view(torch.uint8).numpy().tobytes()
 
 

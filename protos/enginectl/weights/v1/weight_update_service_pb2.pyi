@@ -1612,7 +1612,9 @@ class WorkerLoad(_message.Message):
     tensors_loaded: _builtins.int
     """Tensors this worker handed to its model."""
     bytes_loaded: _builtins.int
-    """Bytes of those tensors (as sent or stored, before any cast)."""
+    """Bytes of those tensors as sent or stored (the whole tensors, before vLLM cuts this
+    worker's shard, and before any cast).
+    """
     weights_modified: _builtins.bool
     """A tensor reached this worker's model: its weights may have changed."""
     error_cause: _builtins.str
