@@ -94,15 +94,22 @@ class UpdatePause:
 
 
 def success_response(
-    plan: UpdatePlan, state: VersionState, results: list[LoadResult], started: float, pause: UpdatePause, resumed: bool
+    plan: UpdatePlan,
+    state: VersionState,
+    results: list[LoadResult],
+    started: float,
+    pause: UpdatePause,
+    resumed: bool,
+    cache_reset: bool,
 ) -> pb2.UpdateWeightsResponse:
-    """The Operation's response: the new version, per-rank results, what the pause did."""
+    """The Operation's response: the new version, per-rank results, what the pause did;
+    `cache_reset`: the prefix cache was reset (as asked, or always after a partial update)."""
     return pb2.UpdateWeightsResponse(
         weight_version=weight_version_proto(state),
         ranks=load_results_proto(results),
         num_paused_requests=pause.in_flight if pause.by_update and plan.pause_mode == "keep" else 0,
         num_aborted_requests=pause.in_flight if pause.by_update and plan.pause_mode == "abort" else 0,
-        prefix_cache_reset=plan.reset_cache,
+        prefix_cache_reset=cache_reset,
         generation_resumed=resumed,
         pause_duration=duration(pause.seconds),
         duration=duration(time.monotonic() - started),

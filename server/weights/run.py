@@ -80,6 +80,7 @@ class UpdateRun:
         self._loader = loader
         self.pause = UpdatePause()  # generation as the update found it, and what pausing did
         self.marks: list[tuple[str, float]] = []  # (step, when it ended): the success log's phases
+        self._cache_reset = False  # the prefix cache was reset at the finish (set there)
         self._started = 0.0  # monotonic, and the deadline (wall clock): set when the run starts
         self._deadline = 0.0
 
@@ -122,7 +123,8 @@ class UpdateRun:
             recovering = gen.quarantined
             await self._check(recovering)
             self.marks.append(("check", time.monotonic()))
-            state = await self._finish(resumed, reset_cache=plan.reset_cache or recovering)
+            self._cache_reset = plan.reset_cache or recovering
+            state = await self._finish(resumed, reset_cache=self._cache_reset)
             self._lock.release()
             holding = False
             await gen.set_partial(False)
@@ -270,7 +272,7 @@ class UpdateRun:
 
     def _succeeded(self, state: VersionState, results: list[LoadResult], resumed: bool) -> None:
         op, plan, started = self.op, self.plan, self._started
-        op.finish(response=success_response(plan, state, results, started, self.pause, resumed))
+        op.finish(response=success_response(plan, state, results, started, self.pause, resumed, self._cache_reset))
         report_finished(self._parts.on_finished, op, plan, "ok", sum(r.bytes_loaded for r in results))
         log.info(
             "weights updated",

@@ -297,6 +297,7 @@ async def test_an_update_after_a_partial_one_clears_the_kv_cache_and_resets_the_
     assert op.failure is None
     assert "check_loaded clear_kv" in engine.calls
     assert engine.finished_with is not None and engine.finished_with.reset_cache  # whatever was asked
+    assert op.response is not None and op.response.prefix_cache_reset  # and says so
     # The next update, from a whole model, neither clears nor overrides the request.
     engine.calls.clear()
     await finished(updates, (await updates.start(keep_cache))[0])
