@@ -7,7 +7,7 @@ export VLLM_NO_USAGE_STATS ?= 1
 # The Python folders ruff checks and formats.
 PY_DIRS := client server worker common contract cli scripts tests bench examples
 
-.PHONY: install serve test unit check check-protos gen bench soak mypy-tree imports
+.PHONY: install serve test unit check check-protos gen bench soak recovery-soak mypy-tree imports
 
 install:
 	./scripts/install.sh
@@ -73,3 +73,7 @@ bench: install
 # A bounded soak of one server (default 10 minutes; ARGS="--duration 90"); not part of `test`.
 soak: install
 	$(BIN)/python -m bench.soak $(ARGS)
+
+# Partial updates, forced resumes and recoveries checked against a fresh engine (bench/recovery/run.py; ARGS="--rounds 4").
+recovery-soak: install
+	$(BIN)/python -m bench.recovery $(ARGS)

@@ -1,0 +1,1 @@
+"""The recovery soak: `python -m bench.recovery` (`make recovery-soak`); see run.py."""
