@@ -6,7 +6,8 @@ of the `smg-grpc-servicer` package, the service the SMG gateway routes), built o
 AsyncLLM. It runs where AsyncLLM and vLLM's HTTP server run, on the engine's loop; the gRPC
 server lives on the control loop (server/control_loop.py). `RolloutRelay` carries each call
 across: the request and the caller's cancellation to the engine's loop, responses and the
-final status back. Nothing here touches weights or kernels.
+final status back; vLLM's servicer reads a copy of the call's context made on the control
+loop (LocalContext, server/servicer_context.py). Nothing here touches weights or kernels.
 
 Which weights produced the tokens: vLLM stamps every generated token with the label the
 server last set on each EngineCore (the declared version, or UNDECLARED_LABEL) and reports
@@ -29,6 +30,8 @@ import grpc
 
 from enginectl.common.rollout_trailers import DECLARED_TRAILER, REVISION_TRAILER, VERSIONS_TRAILER, encode_versions
 from enginectl.contract.engine import UNDECLARED_LABEL
+from enginectl.server.errors import CallAborted
+from enginectl.server.servicer_context import LocalContext, ServicerContext, status_code
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -91,51 +94,6 @@ class _Recorder:
             yield output
 
 
-class _Aborted(Exception):
-    """vLLM's servicer ended the call with a status (its `context.abort`)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class _Context:
-    """The servicer context vLLM's servicer gets on the engine's loop: what it reads of the
-    call, taken on the control loop beforehand; `abort` ends the relayed call."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self.code: grpc.StatusCode | None = None  # set_code/set_details: applied on return
-        self.details = ""
-        self._metadata = tuple(context.invocation_metadata() or ())
-        self._peer = context.peer()
-        self._deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
-
-    def invocation_metadata(self) -> tuple[Any, ...]:
-        return self._metadata
-
-    def peer(self) -> str:
-        return self._peer
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self.code = code
-
-    def set_details(self, details: str) -> None:
-        self.details = details
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
-        raise _Aborted(code, details)
-
-    def apply(self, context: grpc.aio.ServicerContext) -> None:
-        """Hand a status set with set_code/set_details to the real call."""
-        if self.code is not None:
-            context.set_code(self.code)
-            context.set_details(self.details)
-
-
 _END = object()
 
 
@@ -159,7 +117,7 @@ class RolloutRelay:
         self._generation_state = generation_state  # enginectl's pause state and request counts
         self._started = time.time() if started is None else started
 
-    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def HealthCheck(self, request: Any, context: ServicerContext) -> Any:
         """vLLM's health check, unhealthy whenever the control plane's gRPC health is
         NOT_SERVING (quarantine, awaiting identity, shutting down): a gateway that asks only
         this (SMG) must take such an engine out of rotation too."""
@@ -170,7 +128,7 @@ class RolloutRelay:
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=why)
         return await self._unary("HealthCheck", request, context)
 
-    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def Generate(self, request: Any, context: ServicerContext) -> AsyncIterator[Any]:
         labels: list[str] = []
         async for response in self._stream("Generate", request, context, labels):
             yield response
@@ -178,25 +136,25 @@ class RolloutRelay:
 
     # Every other RPC: vLLM's servicer's answer, relayed as it is.
 
-    async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Embed(self, request: Any, context: ServicerContext) -> Any:
         return await self._unary("Embed", request, context)
 
-    async def FlushCache(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def FlushCache(self, request: Any, context: ServicerContext) -> Any:
         return await self._unary("FlushCache", request, context)
 
-    async def StartProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def StartProfile(self, request: Any, context: ServicerContext) -> Any:
         return await self._unary("StartProfile", request, context)
 
-    async def StopProfile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def StopProfile(self, request: Any, context: ServicerContext) -> Any:
         return await self._unary("StopProfile", request, context)
 
-    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Abort(self, request: Any, context: ServicerContext) -> Any:
         return await self._unary("Abort", request, context)
 
-    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def GetModelInfo(self, request: Any, context: ServicerContext) -> Any:
         return await self._unary("GetModelInfo", request, context)
 
-    async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def GetServerInfo(self, request: Any, context: ServicerContext) -> Any:
         """vLLM's answer, with what a gateway reads of it filled from enginectl's state:
         `is_paused` (paused on any rank, by a caller or an update), `active_requests` (running
         and waiting on every rank) and `uptime_seconds`."""
@@ -208,34 +166,34 @@ class RolloutRelay:
             answer.active_requests = state.num_running_requests + state.num_waiting_requests
         return answer
 
-    async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def GetLoads(self, request: Any, context: ServicerContext) -> Any:
         return await self._unary("GetLoads", request, context)
 
-    async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def GetTokenizer(self, request: Any, context: ServicerContext) -> AsyncIterator[Any]:
         async for item in self._stream("GetTokenizer", request, context):
             yield item
 
-    async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def SubscribeKvEvents(self, request: Any, context: ServicerContext) -> AsyncIterator[Any]:
         async for item in self._stream("SubscribeKvEvents", request, context):
             yield item
 
-    async def _unary(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        call, shim = getattr(self._servicer, method), _Context(context)
+    async def _unary(self, method: str, request: Any, context: ServicerContext) -> Any:
+        call, shim = getattr(self._servicer, method), LocalContext.copy_of(context)
         future = asyncio.run_coroutine_threadsafe(call(request, shim), self._engine_loop)
         try:
             answer = await asyncio.wrap_future(future)
-        except _Aborted as aborted:
-            await context.abort(aborted.code, aborted.details)
+        except CallAborted as aborted:
+            await context.abort(status_code(aborted.status), aborted.status.message)
         shim.apply(context)
         return answer
 
     async def _stream(
-        self, method: str, request: Any, context: grpc.aio.ServicerContext, labels: list[str] | None = None
+        self, method: str, request: Any, context: ServicerContext, labels: list[str] | None = None
     ) -> AsyncIterator[Any]:
         control_loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         call = getattr(self._servicer, method)
-        shim = _Context(context)
+        shim = LocalContext.copy_of(context)
 
         async def pump() -> None:  # on the engine's loop
             _labels.set(labels)
@@ -254,8 +212,8 @@ class RolloutRelay:
                 if item is _END:
                     shim.apply(context)
                     return
-                if isinstance(item, _Aborted):
-                    await context.abort(item.code, item.details)
+                if isinstance(item, CallAborted):
+                    await context.abort(status_code(item.status), item.status.message)
                 if isinstance(item, BaseException):
                     raise item
                 yield item

@@ -46,7 +46,7 @@ from enginectl.server.weights.updates import WeightUpdates
 
 if TYPE_CHECKING:
     from enginectl.server.engine import EngineAdapter
-    from enginectl.server.http.routes import RlRoutes
+    from enginectl.server.http.route_calls import RouteCalls
     from enginectl.server.rollouts import RolloutService
 
 log = structlog.get_logger("enginectl.serve")
@@ -197,15 +197,16 @@ async def start_gateway(
     return registration
 
 
-def http_routes(config: ServeConfig, plane: ControlPlaneServer, control_loop: asyncio.AbstractEventLoop) -> RlRoutes:
-    """The HTTP RL routes over `plane` (started), for vLLM's HTTP app; built on the main loop,
-    where they run. Without a token, a server whose gRPC callers prove themselves with client
-    certificates refuses every HTTP route that changes state: HTTP carries no such proof."""
-    from enginectl.server.http.local_calls import LocalCalls
-    from enginectl.server.http.routes import RlRoutes
+def http_routes(config: ServeConfig, plane: ControlPlaneServer, control_loop: asyncio.AbstractEventLoop) -> RouteCalls:
+    """What the HTTP RL routes call through: `plane`'s RPCs (started) as typed calls run on
+    `control_loop`; built on the main loop, where the routes run. Without a token, a server
+    whose gRPC callers prove themselves with client certificates refuses every HTTP route that
+    changes state: HTTP carries no such proof."""
+    from enginectl.server.http.route_calls import RouteCalls
+    from enginectl.server.local_plane import LocalPlane
 
     tls = config.grpc.tls
     refusal = None
     if config.grpc.token is None and tls is not None and tls.client_ca is not None:
         refusal = "this server authenticates control calls by client certificate; HTTP routes that change state need a token (--token-file)"
-    return RlRoutes(LocalCalls(plane.local.call, control_loop), refusal=refusal)
+    return RouteCalls(LocalPlane(plane.local, control_loop), refusal=refusal)

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 from starlette.responses import JSONResponse
 
-from enginectl.server.http.local_calls import RouteError
+from enginectl.server.http.route_error import RouteError
+from enginectl.weights.v1 import weight_update_service_pb2 as upd
 from enginectl.weights.v1 import weight_version_pb2
 
 HTTP_STATUS = {
@@ -65,3 +67,27 @@ def version_json(version: weight_version_pb2.WeightVersion) -> dict[str, Any]:
         "incarnation": version.incarnation,
         "source": weight_version_pb2.WeightSource.Name(version.source).removeprefix("WEIGHT_SOURCE_"),
     }
+
+
+def paused_fields(answer: upd.PauseGenerationResponse) -> dict[str, Any]:
+    """What every pause route answers of PauseGeneration."""
+    return {
+        "was_paused": answer.was_paused,
+        "num_aborted_requests": answer.num_aborted_requests,
+        "num_paused_requests": answer.num_paused_requests,
+    }
+
+
+def updated(answer: upd.UpdateWeightsResponse) -> JSONResponse:
+    """What every update route answers once its update is done."""
+    version = version_json(answer.weight_version)
+    return ok(
+        message=f"weights updated to {version['version']}" if version["declared"] else "weights updated",
+        weight_version=version,
+        version=version["version"],
+        num_paused_requests=answer.num_paused_requests,
+        num_aborted_requests=answer.num_aborted_requests,
+        prefix_cache_reset=answer.prefix_cache_reset,
+        generation_resumed=answer.generation_resumed,
+        ranks=[json_format.MessageToDict(r, preserving_proto_field_name=True) for r in answer.ranks],
+    )

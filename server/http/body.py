@@ -2,7 +2,7 @@
 
 Runs in the `enginectl serve` process, on the engine's loop (vLLM's HTTP server). No state:
 a bad argument raises RouteError INVALID_ARGUMENT with the field it names (docs/http_routes.md,
-"Errors"); server/http/routes.py turns the arguments into RPC requests.
+"Errors"); the routes of each vocabulary turn the arguments into RPC requests.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from enginectl.common.vocabulary import Reason
 from enginectl.server import limits
-from enginectl.server.http.local_calls import RouteError
+from enginectl.server.http.route_error import RouteError
 from enginectl.weights.v1 import weight_update_service_pb2 as upd
 
 # Pause modes by name: enginectl's and vLLM's (abort, wait, keep), SGLang's (in_place freezes

@@ -26,6 +26,7 @@ steps the rules of every update (docs/weights.md, "vLLM's weight-transfer engine
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -354,7 +355,15 @@ class WeightTransfer:
 
     async def update(self, request: pb2.UpdateWeightsRequest) -> pb2.UpdateWeightsBatchResponse:
         round_ = self._open(request.name)
-        payload = plain(json_format.MessageToDict(request.update_info) if request.HasField("update_info") else {})
+        info: Any = {}
+        if request.update_info_json:  # its integers exact; update_info's numbers are doubles
+            try:
+                info = json.loads(request.update_info_json)
+            except ValueError as err:
+                raise invalid_field(Reason.MALFORMED_REQUEST, "update_info_json", f"not JSON: {err}") from None
+        elif request.HasField("update_info"):
+            info = json_format.MessageToDict(request.update_info)
+        payload = plain(info)
         return pb2.UpdateWeightsBatchResponse(batches=await round_.update(payload))
 
     async def finish(self, request: pb2.FinishWeightUpdateRequest) -> UpdateOperation:

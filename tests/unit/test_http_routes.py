@@ -1,10 +1,11 @@
 """The HTTP RL routes over an engine-free control plane, in process (no socket, no engine).
 
-The routes reach the control plane through its local endpoint (server/local_endpoint.py):
-the same interceptor as the gRPC port, so the token, the no-engine refusal and the refusal
-after engine death answer here exactly as there, as JSON with the HTTP status of the code
-(docs/http_routes.md). The end-to-end behaviour on a real engine is in
-tests/e2e/weight_updates/test_http_routes.py.
+The routes reach the control plane through its typed door (server/local_plane.py) and local
+endpoint (server/local_endpoint.py): the same interceptor as the gRPC port, so the token, the
+no-engine refusal and the refusal after engine death answer here exactly as there, as JSON
+with the HTTP status of the code (docs/http_routes.md). A transfer round runs here against the
+in-memory engine (tests/support/engine_double.py). The end-to-end behaviour on a real engine
+is in tests/e2e/weight_updates/test_http_routes.py.
 """
 
 from __future__ import annotations
@@ -17,14 +18,23 @@ import grpc
 import httpx
 import pytest
 from fastapi import FastAPI
+from support.engine_double import EngineDouble
 
 from enginectl.common.vocabulary import Reason
+from enginectl.contract.engine import TransferAnswer, TransferStep
 from enginectl.server.errors import ControlPlaneError, to_status
 from enginectl.server.grpc_server import ControlPlaneServer
 from enginectl.server.http.answers import HTTP_STATUS, http_status
-from enginectl.server.http.local_calls import LocalCalls, status_error
-from enginectl.server.http.routes import REFUSED, RlRoutes, mount
+from enginectl.server.http.route_calls import RouteCalls
+from enginectl.server.http.route_error import status_error
+from enginectl.server.http.routes import REFUSED, mount
+from enginectl.server.local_plane import LocalPlane
+from enginectl.server.weights.disk import TensorInfo
 from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.operations import OperationStore
+from enginectl.server.weights.transfer import WeightTransfer
+from enginectl.server.weights.updates import WeightUpdates
+from enginectl.weights.v1 import weight_update_service_pb2
 
 TOKEN = "s3cret-token"
 
@@ -40,9 +50,13 @@ async def plane() -> AsyncIterator[ControlPlaneServer]:
 @pytest.fixture
 async def http(plane: ControlPlaneServer) -> AsyncIterator[httpx.AsyncClient]:
     app = FastAPI()
-    mount(app, RlRoutes(LocalCalls(plane.local.call, asyncio.get_running_loop())))
+    mount(app, _calls(plane))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://routes") as client:
         yield client
+
+
+def _calls(plane: ControlPlaneServer) -> RouteCalls:
+    return RouteCalls(LocalPlane(plane.local, asyncio.get_running_loop()))
 
 
 def _auth(token: str = TOKEN) -> dict[str, str]:
@@ -118,7 +132,7 @@ async def test_mount_takes_the_place_of_vllms_routes_at_the_same_paths(plane: Co
     async def vllm_resume() -> dict[str, Any]:  # stands for vLLM's dev route of that path
         return {"status": "resumed by vLLM"}
 
-    replaced, kept = mount(app, RlRoutes(LocalCalls(plane.local.call, asyncio.get_running_loop())))
+    replaced, kept = mount(app, _calls(plane))
     assert (replaced, kept) == (["/resume"], [])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://routes") as client:
         answer = await client.post("/resume", json={}, headers=_auth())
@@ -181,11 +195,72 @@ async def test_allow_vllm_dev_routes_keeps_vllms_weight_routes_but_not_its_rl_na
     async def vllm_pause() -> dict[str, Any]:
         return {"status": "paused by vLLM"}
 
-    replaced, kept = mount(
-        app, RlRoutes(LocalCalls(plane.local.call, asyncio.get_running_loop())), keep_vllm_dev_routes=True
-    )
+    replaced, kept = mount(app, _calls(plane), keep_vllm_dev_routes=True)
     assert (replaced, kept) == (["/pause"], ["/collective_rpc"])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://routes") as client:
         assert (await client.post("/collective_rpc", json={})).json() == {"results": ["vLLM's"]}
         assert (await client.post("/pause", json={}, headers=_auth())).json()["error"] == Reason.NOT_IMPLEMENTED
         assert (await client.post("/sleep", json={})).json()["error"] == Reason.ROUTE_REFUSED  # vLLM has none here
+
+
+async def test_the_local_plane_calls_rpcs_the_server_serves_and_every_weight_update_rpc(
+    plane: ControlPlaneServer,
+) -> None:
+    """The typed calls name RPCs by their descriptors: each is one the server lists in
+    GetServerInfo.supported_rpcs (health aside: it is not listed), and WeightUpdateService has
+    one for every unary RPC, so an RPC added or renamed without its call fails here."""
+    local = LocalPlane(plane.local, asyncio.get_running_loop())
+    calls = [
+        call for group in (local.weight_version, local.weight_update, local.operations) for call in vars(group).values()
+    ]
+    assert {call.method for call in calls} <= {f"/{rpc}" for rpc in plane.supported_rpcs}
+    (service,) = weight_update_service_pb2.DESCRIPTOR.services_by_name.values()
+    unary = {
+        f"/{service.full_name}/{m.name}" for m in service.methods if not (m.client_streaming or m.server_streaming)
+    }
+    assert {call.method for call in vars(local.weight_update).values()} == unary
+
+
+class _RecordingEngine(EngineDouble):
+    """The in-memory engine, keeping each batch's update info as the workers would get it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[object] = []
+
+    async def transfer(self, step: TransferStep, payload: object, timeout: float) -> list[TransferAnswer]:
+        if step == TransferStep.UPDATE:
+            self.batches.append(payload)
+        return await super().transfer(step, payload, timeout)
+
+
+async def test_update_info_reaches_the_engine_with_its_integers_exact() -> None:
+    """vLLM's /update_weights body crosses to the RPC as JSON: an integer above 2^53 (a
+    protobuf Struct holds it as a double, 2^53 + 1 -> 2^53) arrives as it was sent."""
+    engine = _RecordingEngine()
+    ledger = WeightVersionLedger(publish=engine.set_weight_version)
+    operations = OperationStore()
+    tensor = TensorInfo("w", "float32", (2, 2))
+    updates = WeightUpdates(engine, ledger, operations, allowed_roots=[], expected={tensor.name: tensor})
+    await updates.prepare()
+    server = ControlPlaneServer(
+        ledger, token=TOKEN, updates=updates, transfer=WeightTransfer(engine, updates, "gloo"), operations=operations
+    )
+    await server.set_serving(True)
+    app = FastAPI()
+    mount(app, _calls(server))
+    big = 2**53 + 1
+    info = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2, 2]], "offsets": [big, -big], "scale": 0.5}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://routes") as http:
+            init = {"init_info": {"master_address": "127.0.0.1", "master_port": 29500}}
+            assert (await http.post("/init_weight_transfer_engine", json=init, headers=_auth())).status_code == 200
+            assert (await http.post("/start_weight_update", json={}, headers=_auth())).status_code == 200
+            batch = await http.post("/update_weights", json={"update_info": info}, headers=_auth())
+            assert (batch.status_code, batch.json()["batches"]) == (200, 1)
+            done = await http.post("/finish_weight_update", json={"weight_version": "v1"}, headers=_auth())
+            assert (done.status_code, done.json()["version"]) == (200, "v1")
+    finally:
+        updates.close()
+        await server.stop(0)
+    assert engine.batches == [info]

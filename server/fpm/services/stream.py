@@ -24,6 +24,7 @@ from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, ou
 from enginectl.server.fpm.relay import FpmRelay, RelayClosed
 from enginectl.server.fpm.samples import Relayed, SampleFilter, varint
 from enginectl.server.limits import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, MAX_FILTER_ENTRIES, MAX_WORKER_ID_BYTES
+from enginectl.server.servicer_context import ServicerContext
 
 # A stream that sent nothing for this long sends a progress message.
 PROGRESS_INTERVAL_S = 1.0
@@ -118,7 +119,7 @@ class ForwardPassMetricsServicer(pb2_grpc.ForwardPassMetricsServiceServicer):
     # Also yields pre-encoded batches (bytes), which the serializer of `add_to_server` passes
     # through: wider than the generated stub's return type.
     async def StreamForwardPassMetrics(  # type: ignore[override]
-        self, request: pb2.StreamForwardPassMetricsRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.StreamForwardPassMetricsRequest, context: ServicerContext
     ) -> AsyncIterator[bytes | pb2.StreamForwardPassMetricsResponse]:
         relay = self._relay
         sample_filter = parse_filter(request)

@@ -15,6 +15,7 @@ from google.protobuf import empty_pb2
 
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.limits import DEFAULT_WAIT_OPERATION_S, MAX_PAGE_SIZE
+from enginectl.server.servicer_context import ServicerContext
 from enginectl.server.weights.operations import OperationStore
 
 
@@ -25,12 +26,12 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
         self._store = store
 
     async def GetOperation(
-        self, request: operations_pb2.GetOperationRequest, context: grpc.aio.ServicerContext
+        self, request: operations_pb2.GetOperationRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
         return self._store.get(request.name).proto()
 
     async def ListOperations(
-        self, request: operations_pb2.ListOperationsRequest, context: grpc.aio.ServicerContext
+        self, request: operations_pb2.ListOperationsRequest, context: ServicerContext
     ) -> operations_pb2.ListOperationsResponse:
         if request.filter not in ("", "done=true", "done=false"):
             raise invalid_field(Reason.FILTER_INVALID, "filter", 'only "", "done=true" or "done=false"')
@@ -55,7 +56,7 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
         return response
 
     async def WaitOperation(
-        self, request: operations_pb2.WaitOperationRequest, context: grpc.aio.ServicerContext
+        self, request: operations_pb2.WaitOperationRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
         op = self._store.get(request.name)
         timeout = DEFAULT_WAIT_OPERATION_S
@@ -73,13 +74,13 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
         return op.proto()
 
     async def CancelOperation(
-        self, request: operations_pb2.CancelOperationRequest, context: grpc.aio.ServicerContext
+        self, request: operations_pb2.CancelOperationRequest, context: ServicerContext
     ) -> empty_pb2.Empty:
         self._store.get(request.name).cancel()
         return empty_pb2.Empty()
 
     async def DeleteOperation(
-        self, request: operations_pb2.DeleteOperationRequest, context: grpc.aio.ServicerContext
+        self, request: operations_pb2.DeleteOperationRequest, context: ServicerContext
     ) -> empty_pb2.Empty:
         op = self._store.get(request.name)
         if not op.done:

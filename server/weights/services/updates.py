@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import grpc
 from google.longrunning import operations_pb2
 
 from enginectl.server.interceptors import caller_authenticated
+from enginectl.server.servicer_context import ServicerContext
 from enginectl.server.weights.transfer import WeightTransfer
 from enginectl.server.weights.updates import WeightUpdates
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
@@ -52,90 +52,90 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
         return self._updates
 
     async def GetServerInfo(
-        self, request: pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.GetServerInfoRequest, context: ServicerContext
     ) -> pb2.GetServerInfoResponse:
         if self._info.auth_required and not caller_authenticated.get():
             return self._public_info
         return self._info
 
     async def PauseGeneration(
-        self, request: pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.PauseGenerationRequest, context: ServicerContext
     ) -> pb2.PauseGenerationResponse:
         return await self.updates.pause(request)
 
     async def ResumeGeneration(
-        self, request: pb2.ResumeGenerationRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.ResumeGenerationRequest, context: ServicerContext
     ) -> pb2.ResumeGenerationResponse:
         return await self.updates.resume(request)
 
     async def GetGenerationState(
-        self, request: pb2.GetGenerationStateRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.GetGenerationStateRequest, context: ServicerContext
     ) -> pb2.GetGenerationStateResponse:
         return pb2.GetGenerationStateResponse(state=await self.updates.generation_state())
 
     async def UpdateWeightsFromDisk(
-        self, request: pb2.UpdateWeightsFromDiskRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.UpdateWeightsFromDiskRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
         return (await self.updates.update_from_disk(request)).proto()
 
     async def InitWeightsUpdateGroup(
-        self, request: pb2.InitWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.InitWeightsUpdateGroupRequest, context: ServicerContext
     ) -> pb2.InitWeightsUpdateGroupResponse:
         return pb2.InitWeightsUpdateGroupResponse(group=await self.updates.init_group(request))
 
     async def DestroyWeightsUpdateGroup(
-        self, request: pb2.DestroyWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.DestroyWeightsUpdateGroupRequest, context: ServicerContext
     ) -> pb2.DestroyWeightsUpdateGroupResponse:
         return pb2.DestroyWeightsUpdateGroupResponse(found=await self.updates.destroy_group(request))
 
     async def UpdateWeightsFromDistributed(
-        self, request: pb2.UpdateWeightsFromDistributedRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.UpdateWeightsFromDistributedRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
         return (await self.updates.update_from_distributed(request)).proto()
 
     async def UpdateWeightsFromIpc(
-        self, request: pb2.UpdateWeightsFromIpcRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.UpdateWeightsFromIpcRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
         return (await self.updates.update_from_ipc(request)).proto()
 
     async def CommitStagedWeights(
-        self, request: pb2.CommitStagedWeightsRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.CommitStagedWeightsRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
         return (await self.updates.commit(request)).proto()
 
     async def DiscardStagedWeights(
-        self, request: pb2.DiscardStagedWeightsRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.DiscardStagedWeightsRequest, context: ServicerContext
     ) -> pb2.DiscardStagedWeightsResponse:
         return await self.updates.discard(request)
 
     async def UpdateWeightsFromTensors(
-        self, request_iterator: AsyncIterator[pb2.UpdateWeightsFromTensorsRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb2.UpdateWeightsFromTensorsRequest], context: ServicerContext
     ) -> operations_pb2.Operation:
         return (await self.updates.update_from_tensors(request_iterator)).proto()
 
     # --- vLLM's weight-transfer engines (weights/transfer.py) ---------------------------------
 
     async def InitWeightTransferEngine(
-        self, request: pb2.InitWeightTransferEngineRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.InitWeightTransferEngineRequest, context: ServicerContext
     ) -> pb2.InitWeightTransferEngineResponse:
         return await self.transfer.init(request)
 
     async def StartWeightUpdate(
-        self, request: pb2.StartWeightUpdateRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.StartWeightUpdateRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
         return (await self.transfer.start(request)).proto()
 
     async def UpdateWeights(
-        self, request: pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.UpdateWeightsRequest, context: ServicerContext
     ) -> pb2.UpdateWeightsBatchResponse:
         return await self.transfer.update(request)
 
     async def FinishWeightUpdate(
-        self, request: pb2.FinishWeightUpdateRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.FinishWeightUpdateRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
         return (await self.transfer.finish(request)).proto()
 
     async def ShutdownWeightTransferEngine(
-        self, request: pb2.ShutdownWeightTransferEngineRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.ShutdownWeightTransferEngineRequest, context: ServicerContext
     ) -> pb2.ShutdownWeightTransferEngineResponse:
         return await self.transfer.shutdown(request)

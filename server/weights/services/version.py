@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from enginectl.server.errors import ControlPlaneError
+from enginectl.server.servicer_context import ServicerContext
 from enginectl.server.weights.convert import weight_version_proto
 from enginectl.server.weights.ledger import LedgerClosed, VersionState, WeightVersionLedger
 from enginectl.server.weights.updates import WeightUpdates
@@ -33,7 +34,7 @@ class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
         )
 
     async def GetWeightVersion(
-        self, request: pb2.GetWeightVersionRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.GetWeightVersionRequest, context: ServicerContext
     ) -> pb2.GetWeightVersionResponse:
         state = self._ledger.state
         if self._answer[0] is not state:
@@ -41,13 +42,13 @@ class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
         return self._answer[1]
 
     async def SetWeightVersion(
-        self, request: pb2.SetWeightVersionRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.SetWeightVersionRequest, context: ServicerContext
     ) -> pb2.SetWeightVersionResponse:
         state = await self._ledger.declare(request.version, etag=request.etag, request_id=request.request_id)
         return pb2.SetWeightVersionResponse(weight_version=weight_version_proto(state))
 
     async def WatchWeightVersion(
-        self, request: pb2.WatchWeightVersionRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.WatchWeightVersionRequest, context: ServicerContext
     ) -> AsyncIterator[pb2.WatchWeightVersionResponse]:
         since = request.since_revision if request.HasField("since_revision") else None
         try:
@@ -57,7 +58,7 @@ class WeightVersionServicer(pb2_grpc.WeightVersionServiceServicer):
             raise ControlPlaneError(grpc.StatusCode.UNAVAILABLE, closed.reason, closed.message) from None
 
     async def VerifyWeights(
-        self, request: pb2.VerifyWeightsRequest, context: grpc.aio.ServicerContext
+        self, request: pb2.VerifyWeightsRequest, context: ServicerContext
     ) -> pb2.VerifyWeightsResponse:
         assert self._updates is not None  # refused without an engine before here (grpc_server.py)
         return await self._updates.verify(request.full)

@@ -2307,12 +2307,20 @@ class UpdateWeightsRequest(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     UPDATE_INFO_FIELD_NUMBER: _builtins.int
+    UPDATE_INFO_JSON_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The round's Operation name; empty: the open round."""
+    update_info_json: _builtins.bytes
+    """The same update info as UTF-8 JSON, its integers exact at any size; preferred over
+    `update_info` when set. Empty: `update_info` is read. INVALID_ARGUMENT MALFORMED_REQUEST
+    when it is not JSON.
+    """
     @_builtins.property
     def update_info(self) -> _struct_pb2.Value:
         """The engine's update info for this batch (a map), or a list of them indexed by global
-        worker rank, as vLLM's update_weights takes it.
+        worker rank, as vLLM's update_weights takes it. Its numbers are doubles: an integer above
+        2^53 arrives rounded (send update_info_json for those). Ignored when update_info_json is
+        set.
         """
 
     def __init__(
@@ -2320,10 +2328,11 @@ class UpdateWeightsRequest(_message.Message):
         *,
         name: _builtins.str = ...,
         update_info: _struct_pb2.Value | None = ...,
+        update_info_json: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_info", b"update_info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "update_info", b"update_info"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "update_info", b"update_info", "update_info_json", b"update_info_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
