@@ -6,7 +6,8 @@ implementation. Each blocking class (`Client`, `TrainerClient`, `Fleet`, `Broadc
 `PlannerThread`) runs them on a `LoopThread`: its own (`LoopOwner`), or its maker's. `blocking(AsyncThing.method)` makes the blocking twin of an async method, with
 the same parameters, defaults, overloads, return type and docstring, so no method is written
 twice; `streaming` does the same for async iterators and `entering` for async context
-managers. Imports neither torch nor vLLM.
+managers, and `forwarded` makes an async class's method of its helper's. Imports neither torch
+nor vLLM.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ T = TypeVar("T")
 V = TypeVar("V")
 CoreT = TypeVar("CoreT")
 CoreT_co = TypeVar("CoreT_co", covariant=True)
+OwnerT = TypeVar("OwnerT")
+HelperT = TypeVar("HelperT")
 
 
 class _End:
@@ -239,6 +242,23 @@ def blocking(
     def call(self: Facade[CoreT], /, *args: P.args, **kwargs: P.kwargs) -> Any:
         result = self._loop.run(method(self._core, *args, **kwargs))
         return result if view is None else view(self._loop, result)
+
+    return call
+
+
+def forwarded(
+    helper: Callable[[OwnerT], HelperT], method: Callable[Concatenate[HelperT, P], Coroutine[Any, Any, T]]
+) -> Callable[Concatenate[OwnerT, P], Coroutine[Any, Any, T]]:
+    """`method` of a helper as an async method of the class that holds the helper, called on
+    `helper(self)`: the same parameters, defaults, return type and docstring, written once (on
+    the helper). For the body of that class:
+
+        start_weight_update = forwarded(_transfer_of, FleetTransfer.start_weight_update)
+    """
+
+    @functools.wraps(method)
+    async def call(self: OwnerT, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await method(helper(self), *args, **kwargs)
 
     return call
 

@@ -18,22 +18,27 @@ writer of its fleet's version, and every server's own two-phase update does the 
 3. `status()` joins every server's version, generation state, staged set and health, and,
    given a Planner, the age of each rank's newest forward-pass-metrics sample.
 
-`Fleet` is the blocking twin (the same methods, on a private event-loop thread).
+AsyncFleet is built of two collaborators, made once in its constructor: FleetServers
+(fleet_servers.py: a trainer client per server, the fan-out, the stage rules every way of
+staging shares) and FleetTransfer (fleet_transfer.py: the fleet as vLLM's weight-sync client,
+whose steps AsyncFleet forwards). `Fleet` is the blocking twin (the same methods, on a private
+event-loop thread).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, Unpack
+from typing import Any, Unpack
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from enginectl.client._sync import LoopOwner, blocking
+from enginectl.client._sync import LoopOwner, blocking, forwarded
 from enginectl.client.client import ChannelOptions
 from enginectl.client.errors import EnginectlError, Reason, from_rpc_error
-from enginectl.client.fleet_transfer import FleetTransferMixin
+from enginectl.client.fleet_servers import FleetServers
+from enginectl.client.fleet_transfer import FleetTransfer
 from enginectl.client.fleet_types import (
     FleetCommit,
     FleetCommitError,
@@ -44,12 +49,9 @@ from enginectl.client.fleet_types import (
     RankStatus,
     ServerOutcome,
     ServerStatus,
-    stage_outcome,
 )
 from enginectl.client.planner import Planner, PlannerThread, RankState, latest_ranks
-from enginectl.client.progress import FleetProgress
 from enginectl.client.trainer import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, AsyncTrainerClient
-from enginectl.client.trainer_operations import POLL_S
 from enginectl.client.trainer_requests import GRACE_S, duration
 from enginectl.client.trainer_tensors import BroadcastGroup, TensorSource, named_tensors, tensor_spec
 from enginectl.client.trainer_types import StagedWeights, UpdateOperation, UpdateResult, Verification
@@ -57,26 +59,39 @@ from enginectl.common.buckets import cut
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
-T = TypeVar("T")
 FLEET_GROUP = "enginectl-fleet"
 MODES = ("strict", "loose")
 
 
-class AsyncFleet(FleetTransferMixin):
+def _transfer_of(fleet: AsyncFleet) -> FleetTransfer:
+    return fleet._transfer
+
+
+class AsyncFleet:
     """asyncio fleet of servers: `async with AsyncFleet(["h1:50051", "h2:50051"]) as f: ...`.
     It is also a vLLM weight-sync client over every server (fleet_transfer.py)."""
 
     def __init__(self, targets: Sequence[str], **config: Unpack[ChannelOptions]) -> None:
         if not targets or len(set(targets)) != len(targets):
             raise ValueError("a fleet needs one or more distinct targets")
-        self.targets = list(targets)
-        self.clients = {t: AsyncTrainerClient(t, **config) for t in self.targets}
+        self._servers = FleetServers(targets, **config)
+        self._transfer = FleetTransfer(self._servers)
+        self.targets = self._servers.targets
+        self.clients = self._servers.clients
         # The fleet's own calls (health, a fleet-wide group), on each client's connection.
         self._updates = {t: pb2_grpc.WeightUpdateServiceStub(c.connection.channel) for t, c in self.clients.items()}
         self._health = {t: health_pb2_grpc.HealthStub(c.connection.channel) for t, c in self.clients.items()}
-        self.last_stage: FleetStage | None = None
         self.last_commit: FleetCommit | None = None
         self._group: BroadcastGroup | None = None
+        # The transfer rounds' bounds, per server (None: the server's defaults): the whole
+        # round, and the wait for the trainer's next step (see Fleet.set_transfer_rounds).
+        self.transfer_timeout: float | None = None
+        self.transfer_step_timeout: float | None = None
+
+    @property
+    def last_stage(self) -> FleetStage | None:
+        """What every server staged last (what `commit` and `repair` apply by default)."""
+        return self._servers.last_stage
 
     async def __aenter__(self) -> AsyncFleet:
         return self
@@ -88,20 +103,7 @@ class AsyncFleet(FleetTransferMixin):
         if self._group is not None:
             self._group.close()
             self._group = None
-        await asyncio.gather(*(c.close() for c in self.clients.values()), return_exceptions=True)
-
-    async def _each(
-        self, call: Callable[[str, AsyncTrainerClient], Awaitable[T]], targets: Sequence[str] | None = None
-    ) -> dict[str, T | EnginectlError]:
-        """`call` on every server (or `targets`) at once; an EnginectlError is its answer."""
-        chosen = self.targets if targets is None else list(targets)
-        answers = await asyncio.gather(*(call(t, self.clients[t]) for t in chosen), return_exceptions=True)
-        out: dict[str, T | EnginectlError] = {}
-        for target, answer in zip(chosen, answers, strict=True):
-            if isinstance(answer, BaseException) and not isinstance(answer, EnginectlError):
-                raise answer
-            out[target] = answer
-        return out
+        await self._servers.close()
 
     # --- status --------------------------------------------------------------------------
 
@@ -135,7 +137,7 @@ class AsyncFleet(FleetTransferMixin):
 
     async def verify(self, full: bool = False) -> dict[str, Verification | EnginectlError]:
         """VerifyWeights on every server."""
-        return await self._each(lambda _, c: c.verify_weights(full))
+        return await self._servers.each(lambda _, c: c.verify_weights(full))
 
     # --- stage ---------------------------------------------------------------------------
 
@@ -144,10 +146,10 @@ class AsyncFleet(FleetTransferMixin):
     ) -> FleetStage:
         """Every server stages the safetensors at `path` (the same path on each);
         `progress` draws every server's bytes on one stderr line."""
-        etags = await self._etags()
-        started = await self._each(lambda _, c: c.start_stage_from_disk(path, version, timeout=timeout))
-        outcomes = await self._stage_results(started, progress)
-        return await self._staged_or_discard(version, outcomes, etags)
+        etags = await self._servers.etags()
+        started = await self._servers.each(lambda _, c: c.start_stage_from_disk(path, version, timeout=timeout))
+        outcomes = await self._servers.stage_results(started, progress)
+        return await self._servers.staged(version, outcomes, etags)
 
     async def stage_from_tensors(
         self,
@@ -175,7 +177,7 @@ class AsyncFleet(FleetTransferMixin):
     ) -> dict[str, int]:
         """One group spanning this trainer (rank 0) and every engine's workers, server after
         server (the rank offsets it returns, by target): one broadcast feeds the fleet."""
-        after, workers = await self._worker_offsets()
+        after, workers = await self._servers.worker_offsets()
         offsets, world = {t: 1 + o for t, o in after.items()}, 1 + workers
         group = await asyncio.to_thread(
             BroadcastGroup.host, group_name, backend, master_address, master_port, world, timeout
@@ -188,12 +190,12 @@ class AsyncFleet(FleetTransferMixin):
             )
 
         joining = asyncio.ensure_future(asyncio.to_thread(group.join))
-        joined = await self._each(join)
+        joined = await self._servers.each(join)
         errors = {t: ServerOutcome(t, e) for t, e in joined.items() if isinstance(e, EnginectlError)}
         if errors:
             group.close()
             joining.add_done_callback(lambda f: f.cancelled() or f.exception())
-            await self._each(lambda _, c: c.destroy_weights_update_group(group_name, allow_missing=True))
+            await self._servers.each(lambda _, c: c.destroy_weights_update_group(group_name, allow_missing=True))
             raise FleetError("not every server joined the group", errors)
         await joining
         self._group = group
@@ -227,89 +229,42 @@ class AsyncFleet(FleetTransferMixin):
             started = await client.connection.unary(self._updates[target].UpdateWeightsFromDistributed, request, None)
             return UpdateOperation.from_proto(started)
 
-        etags = await self._etags()
-        started = await self._each(start)
+        etags = await self._servers.etags()
+        started = await self._servers.each(start)
         if any(isinstance(op, EnginectlError) for op in started.values()):
             # Nobody broadcasts: stop the stages that began (their workers wait for data).
-            await self._each(
+            await self._servers.each(
                 lambda t, c: c.cancel_operation(started[t].name),  # type: ignore[union-attr]
                 [t for t, op in started.items() if not isinstance(op, EnginectlError)],
             )
-            outcomes = await self._stage_results(started)
-            await self._discard_all(outcomes)
+            outcomes = await self._servers.stage_results(started)
+            await self._servers.discard_all(outcomes)
             raise FleetStageError("a server refused the stage; nothing was broadcast", outcomes)
         sizes = [t.numel() * t.element_size() for _, t in named]
         sending = asyncio.to_thread(group.broadcast, [t for _, t in named], cut(sizes, bucket_bytes))
         sent, outcomes = await asyncio.gather(
-            asyncio.gather(sending, return_exceptions=True), self._stage_results(started, progress)
+            asyncio.gather(sending, return_exceptions=True), self._servers.stage_results(started, progress)
         )
         if isinstance(sent[0], BaseException) and all(o.ok for o in outcomes.values()):
             outcomes = {t: ServerOutcome(t, _local_error(sent[0])) for t in outcomes}
-        return await self._staged_or_discard(version, outcomes, etags)
-
-    async def _stage_results(
-        self, started: dict[str, UpdateOperation | EnginectlError], progress: bool = False
-    ) -> dict[str, ServerOutcome]:
-        """Wait for every stage Operation (in POLL_S slices, drawing progress, with
-        `progress`); each server's outcome."""
-        outcomes = {t: ServerOutcome(t, op) for t, op in started.items() if isinstance(op, EnginectlError)}
-        running = {t: op for t, op in started.items() if not isinstance(op, EnginectlError)}
-        bar = FleetProgress("staging") if progress else None
-        try:
-            while running:
-                polled = await self._each(
-                    lambda t, c: c.wait_operation(running[t].name, POLL_S if bar else None), list(running)
-                )
-                for target, op in polled.items():
-                    if isinstance(op, EnginectlError) or op.done:
-                        outcomes[target] = stage_outcome(target, op)
-                        running.pop(target)
-                    else:
-                        running[target] = op
-                if bar is not None:
-                    bar.update({t: op.progress for t, op in polled.items() if not isinstance(op, EnginectlError)})
-        finally:
-            if bar is not None:
-                bar.close()
-        return {t: outcomes[t] for t in started}
-
-    async def _etags(self) -> dict[str, str]:
-        """Every server's etag now (the fence of a commit of what is staged next)."""
-        read = await self._each(lambda _, c: c.get_weight_version())
-        failed = {t: ServerOutcome(t, v) for t, v in read.items() if isinstance(v, EnginectlError)}
-        if failed:
-            raise FleetStageError("could not read every server's version; nothing was staged", failed)
-        return {t: v.etag for t, v in read.items() if not isinstance(v, EnginectlError)}
+        return await self._servers.staged(version, outcomes, etags)
 
     async def _stage(
         self, version: str | None, stage: Callable[[str, AsyncTrainerClient], Awaitable[StagedWeights]]
     ) -> FleetStage:
-        etags = await self._etags()
-        answers = await self._each(stage)
+        etags = await self._servers.etags()
+        answers = await self._servers.each(stage)
         outcomes = {
             t: ServerOutcome(t, a) if isinstance(a, EnginectlError) else ServerOutcome(t, staged=a)
             for t, a in answers.items()
         }
-        return await self._staged_or_discard(version, outcomes, etags)
-
-    async def _staged_or_discard(
-        self, version: str | None, outcomes: dict[str, ServerOutcome], etags: dict[str, str]
-    ) -> FleetStage:
-        if not all(o.ok for o in outcomes.values()):
-            await self._discard_all(outcomes)
-            raise FleetStageError("a stage failed; every staged set was discarded, no server changed", outcomes)
-        self.last_stage = FleetStage(version, outcomes, etags)
-        return self.last_stage
-
-    async def _discard_all(self, outcomes: dict[str, ServerOutcome]) -> None:
-        staged = {t: o.staged.name for t, o in outcomes.items() if o.staged is not None}
-        await self._each(lambda t, c: c.discard_staged_weights(staged[t], allow_missing=True), list(staged))
+        return await self._servers.staged(version, outcomes, etags)
 
     async def discard(self, stage: FleetStage | None = None) -> None:
         """Drop the staged sets of `stage` (default: the last) on every server."""
         stage = stage or self.last_stage
         if stage is not None:
-            await self._discard_all(stage.outcomes)
+            await self._servers.discard_all(stage.outcomes)
 
     async def discard_staged(self) -> dict[str, int]:
         """Drop whatever set every server holds now, the fleet's or not (a trainer that
@@ -319,7 +274,7 @@ class AsyncFleet(FleetTransferMixin):
             staged = (await client.generation_state()).staged
             return 0 if staged is None else await client.discard_staged_weights(staged.name, allow_missing=True)
 
-        freed = await self._each(drop)
+        freed = await self._servers.each(drop)
         return {t: f if isinstance(f, int) else 0 for t, f in freed.items()}
 
     # --- commit --------------------------------------------------------------------------
@@ -345,10 +300,10 @@ class AsyncFleet(FleetTransferMixin):
         version = version if version is not None else stage.version
         barrier = mode == "strict"
         if barrier:
-            paused = await self._each(lambda _, c: c.pause_generation("keep"))
+            paused = await self._servers.each(lambda _, c: c.pause_generation("keep"))
             failed = {t: ServerOutcome(t, e) for t, e in paused.items() if isinstance(e, EnginectlError)}
             if failed:
-                await self._each(lambda _, c: c.resume_generation(), [t for t in paused if t not in failed])
+                await self._servers.each(lambda _, c: c.resume_generation(), [t for t in paused if t not in failed])
                 raise FleetCommitError("could not pause every server; nothing was committed", failed)
 
         async def apply(target: str, client: AsyncTrainerClient) -> UpdateResult:
@@ -356,10 +311,10 @@ class AsyncFleet(FleetTransferMixin):
             etag = stage.etags.get(target) if fence else None
             return await client.commit_staged_weights(staged.name, version, etag=etag, timeout=timeout)  # type: ignore[return-value]
 
-        answers = await self._each(apply)
+        answers = await self._servers.each(apply)
         outcomes = {t: self._commit_outcome(t, a) for t, a in answers.items()}
         if barrier:  # every commit ended: resume the ones that hold the new version, together
-            await self._each(lambda _, c: c.resume_generation(), [t for t, o in outcomes.items() if o.ok])
+            await self._servers.each(lambda _, c: c.resume_generation(), [t for t, o in outcomes.items() if o.ok])
         self.last_commit = FleetCommit(version, mode, outcomes)
         if not self.last_commit.ok:
             raise FleetCommitError("a commit failed; see outcomes and repair()", outcomes)
@@ -386,7 +341,7 @@ class AsyncFleet(FleetTransferMixin):
             await client.resume_generation()  # the fleet's barrier pause, if it still holds
             return result  # type: ignore[return-value]
 
-        answers = await self._each(again, list(last.failed))
+        answers = await self._servers.each(again, list(last.failed))
         repaired = {t: self._commit_outcome(t, a) for t, a in answers.items()}
         self.last_commit = FleetCommit(last.version, last.mode, {**last.outcomes, **repaired})
         if not all(o.ok for o in repaired.values()):
@@ -400,6 +355,19 @@ class AsyncFleet(FleetTransferMixin):
         commit for what a failed commit leaves)."""
         stage = await self.stage_from_disk(path, version, progress=progress)
         return await self.commit(stage, mode=mode, fence=fence)
+
+    # --- vLLM's weight-sync client over every server (fleet_transfer.py) ----------------
+
+    async def start_weight_update(self) -> None:
+        """A staging round on every server, bounded by `transfer_timeout` and
+        `transfer_step_timeout` (fleet_transfer.py)."""
+        await self._transfer.start_weight_update(self.transfer_timeout, self.transfer_step_timeout)
+
+    transfer_world_size = forwarded(_transfer_of, FleetTransfer.transfer_world_size)
+    init_weight_transfer_engine = forwarded(_transfer_of, FleetTransfer.init_weight_transfer_engine)
+    update_weights = forwarded(_transfer_of, FleetTransfer.update_weights)
+    finish_weight_update = forwarded(_transfer_of, FleetTransfer.finish_weight_update)
+    shutdown_weight_transfer_engine = forwarded(_transfer_of, FleetTransfer.shutdown_weight_transfer_engine)
 
 
 FleetError_ = FleetStageError  # a setup step (reading servers, joining a group) failed

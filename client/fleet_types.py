@@ -31,10 +31,13 @@ class ServerOutcome:
         return self.error is None
 
 
-def stage_outcome(target: str, answer: UpdateOperation | EnginectlError) -> ServerOutcome:
-    """A stage's outcome on `target` from its finished Operation (or the call's error)."""
+def stage_outcome(target: str, answer: UpdateOperation | UpdateResult | EnginectlError) -> ServerOutcome:
+    """A stage's outcome on `target` from its finished Operation or its result (or the
+    call's error)."""
     if isinstance(answer, EnginectlError):
         return ServerOutcome(target, answer)
+    if isinstance(answer, UpdateResult):
+        return ServerOutcome(target, staged=answer.staged)
     if answer.error is not None:
         return ServerOutcome(target, answer.error)
     return ServerOutcome(target, staged=answer.response.staged if answer.response else None)

@@ -15,20 +15,21 @@ update in flight.
 AsyncTrainerClient holds one helper per concern, built once in its constructor on the client's
 connection and handed the helpers it needs: UpdateOperations (trainer_operations.py),
 TensorStream (trainer_tensors.py), BroadcastUpdates (trainer_broadcast.py), IpcUpdates
-(trainer_ipc.py) and Staging (trainer_staging.py). A method a helper implements whole is
-declared once, on the helper, and forwarded here (`_forwarded`), as TrainerClient's methods
-are made from AsyncTrainerClient's by `blocking`. torch is imported only by the calls that
+(trainer_ipc.py), Staging (trainer_staging.py) and TransferRounds (trainer_transfer.py:
+vLLM's weight-sync steps, so a trainer client is a `client` of vLLM's trainer-side transfer
+engines). A method a helper implements whole is declared once, on the helper, and forwarded
+here (`_forwarded`), as TrainerClient's methods are made from AsyncTrainerClient's by
+`blocking`. torch is imported only by the calls that
 handle tensors (see trainer_tensors.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, Unpack, overload
 
-from enginectl.client._sync import blocking, entering
+from enginectl.client._sync import blocking, entering, forwarded
 from enginectl.client.client import DEFAULT_TARGET, AsyncClient, ChannelOptions, Client
 from enginectl.client.trainer_broadcast import DEFAULT_GROUP, AsyncBroadcast, Broadcast, BroadcastUpdates
 from enginectl.client.trainer_ipc import IpcUpdates
@@ -36,6 +37,7 @@ from enginectl.client.trainer_operations import UpdateOperations
 from enginectl.client.trainer_requests import UpdateOptions, duration, parse_pause_mode
 from enginectl.client.trainer_staging import Staging
 from enginectl.client.trainer_tensors import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, TensorSource, TensorStream
+from enginectl.client.trainer_transfer import TransferRounds
 from enginectl.client.trainer_types import (
     GenerationState,
     PauseResult,
@@ -68,14 +70,9 @@ H = TypeVar("H")
 def _forwarded(
     helper: Callable[[AsyncTrainerClient], H], method: Callable[Concatenate[H, P], Coroutine[Any, Any, T]]
 ) -> Callable[Concatenate[AsyncTrainerClient, P], Coroutine[Any, Any, T]]:
-    """`method` of a helper as a method of AsyncTrainerClient, called on `helper(client)`: the
-    same parameters, defaults, return type and docstring, written once (on the helper)."""
-
-    @functools.wraps(method)
-    async def call(self: AsyncTrainerClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await method(helper(self), *args, **kwargs)
-
-    return call
+    """`method` of a helper as a method of AsyncTrainerClient (_sync.py `forwarded`, typed
+    for the trainer so that `helper` may be a lambda)."""
+    return forwarded(helper, method)
 
 
 class AsyncTrainerClient(AsyncClient):
@@ -91,6 +88,7 @@ class AsyncTrainerClient(AsyncClient):
         self._broadcasts: BroadcastUpdates = BroadcastUpdates(self, self._updates)
         self._ipc: IpcUpdates = IpcUpdates(self, self._updates, self._operations)
         self._staging: Staging = Staging(connection, self._updates, self._operations, self._stream, self._broadcasts)
+        self._transfers: TransferRounds = TransferRounds(connection, self._updates)
 
     async def close(self) -> None:
         self._broadcasts.close()
@@ -319,6 +317,14 @@ class AsyncTrainerClient(AsyncClient):
     commit_staged_weights = _forwarded(lambda t: t._staging, Staging.commit_staged_weights)
     discard_staged_weights = _forwarded(lambda t: t._staging, Staging.discard_staged_weights)
 
+    # --- vLLM's weight-transfer steps (trainer_transfer.py) -----------------------------
+
+    init_weight_transfer_engine = _forwarded(lambda t: t._transfers, TransferRounds.init_weight_transfer_engine)
+    start_weight_update = _forwarded(lambda t: t._transfers, TransferRounds.start_weight_update)
+    update_weights = _forwarded(lambda t: t._transfers, TransferRounds.update_weights)
+    finish_weight_update = _forwarded(lambda t: t._transfers, TransferRounds.finish_weight_update)
+    shutdown_weight_transfer_engine = _forwarded(lambda t: t._transfers, TransferRounds.shutdown_weight_transfer_engine)
+
 
 class TrainerClient(Client):
     """Blocking trainer client with the methods of AsyncTrainerClient; a context manager."""
@@ -351,3 +357,8 @@ class TrainerClient(Client):
     stage_broadcast_weights = blocking(AsyncTrainerClient.stage_broadcast_weights)
     commit_staged_weights = blocking(AsyncTrainerClient.commit_staged_weights)
     discard_staged_weights = blocking(AsyncTrainerClient.discard_staged_weights)
+    init_weight_transfer_engine = blocking(AsyncTrainerClient.init_weight_transfer_engine)
+    start_weight_update = blocking(AsyncTrainerClient.start_weight_update)
+    update_weights = blocking(AsyncTrainerClient.update_weights)
+    finish_weight_update = blocking(AsyncTrainerClient.finish_weight_update)
+    shutdown_weight_transfer_engine = blocking(AsyncTrainerClient.shutdown_weight_transfer_engine)

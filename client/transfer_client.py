@@ -8,27 +8,25 @@ is an enginectl update: a version recorded only on success, fencing, a request i
 mode, deadlines, the partial rule (docs/weights.md, "vLLM's weight-transfer engines"). Its
 methods are blocking and thread-safe (a trainer engine runs `update_weights` on a thread
 beside its broadcast); errors are EnginectlErrors carrying the server's reason.
+
+It is the blocking twin of the trainer client's transfer steps (trainer_transfer.py
+`TransferRounds`, forwarded by AsyncTrainerClient), run on a private event-loop thread like
+every blocking client (_sync.py), with the round options of its constructor bound to each
+round.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any, cast
+from enginectl.client._sync import LoopOwner, blocking
+from enginectl.client.trainer import AsyncTrainerClient
+from enginectl.client.trainer_requests import GRACE_S, PAUSE_MODES
+from enginectl.client.trainer_transfer import RoundOptions
+from enginectl.client.trainer_types import UpdateResult
 
-import grpc
-from google.protobuf import duration_pb2, json_format, struct_pb2
-
-from enginectl.client.client import ChannelConfig
-from enginectl.client.errors import from_rpc_error
-from enginectl.client.trainer_requests import PAUSE_MODES
-from enginectl.client.trainer_types import UpdateOperation, UpdateResult
-from enginectl.weights.v1 import weight_update_service_pb2 as pb2
-from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
-
-GRACE_S = 30.0  # past a round's own timeout, for the finish's answer
+__all__ = ["GRACE_S", "WeightSyncClient"]  # GRACE_S: past a round's own timeout, for the finish's answer
 
 
-class WeightSyncClient:
+class WeightSyncClient(LoopOwner[AsyncTrainerClient]):
     """One server's four steps. Per round: `pause_mode`, `timeout` (the whole round) and
     `step_timeout` (the longest wait for the trainer's next step); `etag` fences the round's
     start and finish (`finish_weight_update(version, etag=...)` overrides it). With
@@ -51,68 +49,34 @@ class WeightSyncClient:
     ) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {sorted(PAUSE_MODES)}, not {pause_mode!r}")
-        self._config = ChannelConfig(target=target, token=token, timeout=rpc_timeout)
-        self._channel = self._config.channel()
-        self._stub = pb2_grpc.WeightUpdateServiceStub(self._channel)
         self.pause_mode, self.timeout, self.step_timeout = pause_mode, timeout, step_timeout
         self.etag, self.request_id, self.stage_only = etag, request_id, stage_only
         self.operation = ""  # the open round's Operation
         self.last_result: UpdateResult | None = None
-        self._lock = threading.Lock()
 
-    def close(self) -> None:
-        self._channel.close()
+        async def connect() -> AsyncTrainerClient:
+            return AsyncTrainerClient(target, token=token, timeout=rpc_timeout)
 
-    def __enter__(self) -> WeightSyncClient:
-        return self
+        super().__init__("enginectl-WeightSyncClient", connect)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
-        try:
-            return method(request, timeout=timeout or self._config.timeout, metadata=self._config.metadata())
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        info = struct_pb2.Struct()
-        info.update(init_info)
-        self._call(self._stub.InitWeightTransferEngine, pb2.InitWeightTransferEngineRequest(init_info=info))
+    init_weight_transfer_engine = blocking(AsyncTrainerClient.init_weight_transfer_engine)
+    update_weights = blocking(AsyncTrainerClient.update_weights)
+    shutdown_weight_transfer_engine = blocking(AsyncTrainerClient.shutdown_weight_transfer_engine)
 
     def start_weight_update(self) -> None:
-        request = pb2.StartWeightUpdateRequest(
-            etag=self.etag or "",
-            request_id=self.request_id or "",
-            pause_mode=PAUSE_MODES[self.pause_mode],
+        """Start a round with this client's options; its Operation is `operation`."""
+        options = RoundOptions(
+            pause_mode=self.pause_mode,
+            timeout=self.timeout,
+            step_timeout=self.step_timeout,
+            etag=self.etag,
+            request_id=self.request_id,
             stage_only=self.stage_only,
         )
-        if self.timeout is not None:
-            request.timeout.CopyFrom(_duration(self.timeout))
-        if self.step_timeout is not None:
-            request.step_timeout.CopyFrom(_duration(self.step_timeout))
-        op = self._call(self._stub.StartWeightUpdate, request)
-        with self._lock:
-            self.operation = op.name
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        value = struct_pb2.Value()
-        json_format.ParseDict(cast(Any, update_info), value)
-        self._call(self._stub.UpdateWeights, pb2.UpdateWeightsRequest(name=self.operation, update_info=value))
+        self.operation = self._loop.run(self._core.start_weight_update(options)).name
 
     def finish_weight_update(self, weight_version: str | None = None, *, etag: str | None = None) -> None:
-        request = pb2.FinishWeightUpdateRequest(name=self.operation, etag=etag if etag is not None else self.etag or "")
-        if weight_version is not None:
-            request.weight_version = weight_version
-        bound = (self.timeout or self._config.timeout) + GRACE_S
-        op = UpdateOperation.from_proto(self._call(self._stub.FinishWeightUpdate, request, bound))
-        self.last_result = op.result()  # raises the round's error
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._call(self._stub.ShutdownWeightTransferEngine, pb2.ShutdownWeightTransferEngineRequest())
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    value = duration_pb2.Duration()
-    value.FromNanoseconds(round(seconds * 1e9))
-    return value
+        """End the round and declare `weight_version` on success, fenced by `etag` (default:
+        this client's); its UpdateResult becomes `last_result`, or its error is raised."""
+        fence = etag if etag is not None else self.etag or ""
+        self.last_result = self._loop.run(self._core.finish_weight_update(weight_version, etag=fence))

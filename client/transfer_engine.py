@@ -20,8 +20,15 @@ trainer written against vLLM's own API drives an engine served with
 
 The group and the broadcast are enginectl's own (client/trainer_tensors.py `BroadcastGroup`:
 rank 0 hosts the TCPStore, tensors go in buckets cut by common/buckets.py, packed into one
-reused buffer); the workers' side is worker/weights/transfer_engine.py (docs/weights.md,
-"vLLM's weight-transfer engines").
+reused buffer); the workers' side is worker/weights/transfer_engine.py, and the names both
+sides agree on (the engine's name, the default group, the join margin) are defined once, in
+common/gloo_transfer.py (docs/weights.md, "vLLM's weight-transfer engines").
+
+This is vLLM's plugin (pyproject.toml's `vllm.general_plugins` entry point names `register`),
+and the one module of enginectl.client that imports vLLM: no enginectl module imports it, so
+importing `enginectl.client`, or any other module of it, never imports vLLM; only a trainer
+that asks for the plugin (or vLLM's plugin loader) does. `make check` holds both rules
+([tool.importlinter] in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -43,10 +50,17 @@ from vllm.distributed.weight_transfer.base import (
 
 from enginectl.client.trainer_tensors import DEFAULT_BUCKET_BYTES, BroadcastGroup
 from enginectl.common.buckets import cut
+from enginectl.common.gloo_transfer import (
+    DEFAULT_TRANSFER_GROUP,
+    DEFAULT_TRANSFER_TIMEOUT_S,
+    GLOO_TRANSFER_BACKEND,
+    TRANSFER_JOIN_MARGIN_S,
+)
 
-BACKEND = "gloo"
-DEFAULT_GROUP = "vllm-weight-transfer"
-JOIN_MARGIN_S = 5.0  # past the rendezvous timeout, rank 0's join is given up on
+# The names the workers' side agrees on (common/gloo_transfer.py), as this module has named them.
+BACKEND = GLOO_TRANSFER_BACKEND
+DEFAULT_GROUP = DEFAULT_TRANSFER_GROUP
+JOIN_MARGIN_S = TRANSFER_JOIN_MARGIN_S  # past the rendezvous timeout, rank 0's join is given up on
 
 
 @dataclass
@@ -62,7 +76,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_port: int
     world_size: int
     group_name: str = DEFAULT_GROUP
-    timeout_s: float = 60.0
+    timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
@@ -112,7 +126,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             return cls(client=client, source=source, is_sender=False, bucket_bytes=init_info.bucket_bytes)
         group = BroadcastGroup.host(
             init_info.group_name,
-            "gloo",
+            BACKEND,  # the engine's group is a torch.distributed group of its backend's name
             init_info.master_address,
             init_info.master_port,
             init_info.world_size,

@@ -27,6 +27,7 @@ from typing import Any, Final, TypeVar
 
 import msgspec
 
+from enginectl.common import gloo_transfer
 from enginectl.common.vocabulary import Reason, WeightSource
 
 T = TypeVar("T")
@@ -112,7 +113,7 @@ class WorkerRpc(str, enum.Enum):
 
 
 # enginectl's weight-transfer engine, in vLLM's factory (worker/weights/transfer_engine.py).
-GLOO_TRANSFER_BACKEND: Final = "gloo"
+GLOO_TRANSFER_BACKEND: Final = gloo_transfer.GLOO_TRANSFER_BACKEND  # common/gloo_transfer.py: one definition
 
 
 class TransferStep(str, enum.Enum):

@@ -38,14 +38,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from enginectl.common import dtypes
+from enginectl.common import dtypes, gloo_transfer
 from enginectl.contract.engine import GLOO_TRANSFER_BACKEND, Backend, GroupSpec, TensorSpec
 from enginectl.worker.weights.groups import _Group, _Join, _run_join, received_broadcast
 from enginectl.worker.weights.transfer_staging import StagingTarget
 
 BACKEND = GLOO_TRANSFER_BACKEND  # the name in vLLM's factory, and in --weight-transfer-config
-DEFAULT_GROUP = "vllm-weight-transfer"
-JOIN_MARGIN_S = 2.0  # past the rendezvous timeout, the join thread is given up on
+DEFAULT_GROUP = gloo_transfer.DEFAULT_TRANSFER_GROUP
+JOIN_MARGIN_S = gloo_transfer.TRANSFER_JOIN_MARGIN_S  # past the rendezvous timeout, the join thread is given up on
 
 
 @dataclass
@@ -60,7 +60,7 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     group_name: str = DEFAULT_GROUP
-    timeout_s: float = 60.0
+    timeout_s: float = gloo_transfer.DEFAULT_TRANSFER_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not isinstance(self.master_address, str) or not self.master_address:
