@@ -156,62 +156,41 @@ def fingerprint_proto(fingerprint: Fingerprint) -> wv_pb2.WeightFingerprint:
 # --- per-rank results -----------------------------------------------------------------------
 
 
-def worker_load_proto(result: LoadResult) -> pb2.WorkerLoad:
-    """One worker's load result as the Operation shows it."""
+def worker_load_proto(result: LoadResult | StageResult) -> pb2.WorkerLoad:
+    """One worker's load (or stage) result as the Operation shows it; a stage reached no model."""
+    if isinstance(result, StageResult):
+        tensors, nbytes, modified = result.tensors, result.nbytes, False
+    else:
+        tensors, nbytes, modified = result.tensors_loaded, result.bytes_loaded, result.weights_modified
     return pb2.WorkerLoad(
         worker_rank=result.worker_rank,
-        tensors_loaded=result.tensors_loaded,
-        bytes_loaded=result.bytes_loaded,
-        weights_modified=result.weights_modified,
+        tensors_loaded=tensors,
+        bytes_loaded=nbytes,
+        weights_modified=modified,
         error_cause=result.error.cause if result.error is not None else "",
     )
 
 
-def load_results_proto(results: Iterable[LoadResult]) -> list[pb2.RankUpdateResult]:
-    """Workers' load results folded per DP rank: a rank loaded what every worker of it loaded
-    (with tensor parallelism each loads every tensor, its shard of it), in the time of its
-    slowest worker; each worker's own result beside it."""
-    per_rank: dict[int, list[LoadResult]] = {}
+def load_results_proto(results: Iterable[LoadResult | StageResult]) -> list[pb2.RankUpdateResult]:
+    """Workers' load (or stage) results folded per DP rank: a rank loaded what every worker of
+    it loaded (with tensor parallelism each loads every tensor, its shard of it), in the time of
+    its slowest worker (a stage: none); each worker's own result beside it."""
+    per_rank: dict[int, list[pb2.WorkerLoad]] = {}
+    seconds: dict[int, float] = {}
     for r in results:
-        per_rank.setdefault(r.dp_rank, []).append(r)
+        per_rank.setdefault(r.dp_rank, []).append(worker_load_proto(r))
+        if isinstance(r, LoadResult):
+            seconds[r.dp_rank] = max(seconds.get(r.dp_rank, 0.0), r.duration)
     ranks = []
     for rank in sorted(per_rank):
         workers = sorted(per_rank[rank], key=lambda w: w.worker_rank)
-        ranks.append(
-            pb2.RankUpdateResult(
-                dp_rank=rank,
-                tensors_loaded=min(w.tensors_loaded for w in workers),
-                bytes_loaded=min(w.bytes_loaded for w in workers),
-                duration=duration(max(w.duration for w in workers)),
-                workers=[worker_load_proto(w) for w in workers],
-            )
+        result = pb2.RankUpdateResult(
+            dp_rank=rank,
+            tensors_loaded=min(w.tensors_loaded for w in workers),
+            bytes_loaded=min(w.bytes_loaded for w in workers),
+            workers=workers,
         )
-    return ranks
-
-
-def stage_results_proto(results: Iterable[StageResult]) -> list[pb2.RankUpdateResult]:
-    """Workers' stage results folded per DP rank, as load_results_proto (without a duration;
-    nothing reached a model, so no worker's weights were modified)."""
-    per_rank: dict[int, list[StageResult]] = {}
-    for r in results:
-        per_rank.setdefault(r.dp_rank, []).append(r)
-    ranks = []
-    for rank in sorted(per_rank):
-        workers = sorted(per_rank[rank], key=lambda w: w.worker_rank)
-        ranks.append(
-            pb2.RankUpdateResult(
-                dp_rank=rank,
-                tensors_loaded=min(w.tensors for w in workers),
-                bytes_loaded=min(w.nbytes for w in workers),
-                workers=[
-                    pb2.WorkerLoad(
-                        worker_rank=w.worker_rank,
-                        tensors_loaded=w.tensors,
-                        bytes_loaded=w.nbytes,
-                        error_cause=w.error.cause if w.error is not None else "",
-                    )
-                    for w in workers
-                ],
-            )
-        )
+        if rank in seconds:
+            result.duration.CopyFrom(duration(seconds[rank]))
+        ranks.append(result)
     return ranks

@@ -40,8 +40,8 @@ from enginectl.server.weights.channels import UpdateChannels
 from enginectl.server.weights.convert import (
     duration,
     fingerprint_proto,
+    load_results_proto,
     source_proto,
-    stage_results_proto,
     weight_version_proto,
 )
 from enginectl.server.weights.engine_protocols import StagingEngine
@@ -262,7 +262,7 @@ class Staging:
     def _response(self, staged: StagedSet, results: list[StageResult], started: float) -> pb2.UpdateWeightsResponse:
         return pb2.UpdateWeightsResponse(
             weight_version=weight_version_proto(self._ledger.state),
-            ranks=stage_results_proto(results),
+            ranks=load_results_proto(results),
             generation_resumed=True,
             duration=duration(time.monotonic() - started),
             staged=staged.proto(),
