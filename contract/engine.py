@@ -10,7 +10,9 @@ the engine side (worker/), so both sides name the same things the same way. It h
   maps and lists (vLLM serialises utility arguments and results itself): `wire()` turns a
   struct into builtins on the sending side, `read()` turns builtins back into the struct,
   checking every field, on the receiving side;
-- the failure causes the engine side reports, and the per-start engine configuration.
+- the failure causes the engine side reports.
+
+The per-start engine configuration is next door, in contract/engine_config.py.
 
 ZMQ frame layouts live next door (contract/frames.py for weight updates, contract/fpm.py for
 metrics samples); the dtype table is common/dtypes.py.
@@ -20,9 +22,6 @@ docs/architecture.md ("The engine contract") shows who calls what, and on which 
 from __future__ import annotations
 
 import enum
-import json
-import os
-from collections.abc import Mapping
 from typing import Any, Final, TypeVar
 
 import msgspec
@@ -474,36 +473,3 @@ class RankIdentity(msgspec.Struct, frozen=True):
     dp_rank: int
     worker_id: str
     identity_generation: int
-
-
-# --- per-start engine configuration ---------------------------------------------------------
-
-# `additional_config[CONFIG_KEY]` is where a user (or `enginectl serve`) puts it; serve moves it
-# into the environment variable ENGINE_CONFIG_ENV before the EngineCores start, because vLLM
-# hashes `additional_config` into its compile-cache key and these values change every start.
-CONFIG_KEY: Final = "enginectl"
-ENGINE_CONFIG_ENV: Final = "ENGINECTL_ENGINE_CONFIG"
-
-
-class EngineConfig(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What `enginectl serve` hands every EngineCore at start."""
-
-    fpm_endpoint: str = ""  # the relay's ZMQ endpoint; "" publishes nothing
-    worker_id: str = ""  # the identity every rank starts with (generation 1); "" for none
-    await_worker_id: bool = False  # serving waits for SetWorkerIdentity
-    heartbeat_interval_s: float = 0.0  # 0: the publisher's default
-    incarnation: str = ""  # this start of the server; "" lets the publisher pick one
-
-    def to_env(self) -> None:
-        """Hand this config to EngineCores started from now on (they inherit the environment)."""
-        os.environ[ENGINE_CONFIG_ENV] = json.dumps(wire(self))
-
-    @classmethod
-    def load(cls, additional_config: Any) -> EngineConfig:
-        """Inside an EngineCore: from ENGINE_CONFIG_ENV, else `additional_config[CONFIG_KEY]`."""
-        section: Any = None
-        if os.environ.get(ENGINE_CONFIG_ENV):
-            section = json.loads(os.environ[ENGINE_CONFIG_ENV])
-        elif isinstance(additional_config, Mapping):
-            section = additional_config.get(CONFIG_KEY)
-        return read(cls, {key: value for key, value in dict(section or {}).items() if value is not None})

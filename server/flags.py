@@ -41,7 +41,7 @@ from enginectl.server.rollouts import SERVICE as ROLLOUT_SERVICE
 from enginectl.server.weights.staging import DEFAULT_TTL_S
 
 if TYPE_CHECKING:
-    from enginectl.contract.engine import EngineConfig
+    from enginectl.contract.engine_config import EngineConfig
 
 log = structlog.get_logger("enginectl.fpm")  # the one warning here is about the FPM publisher
 
@@ -358,7 +358,7 @@ def configure_engine_args(args: argparse.Namespace, engine_config: EngineConfig)
     user's is taken out of `additional_config` (serve's flags decide those values): vLLM hashes
     `additional_config` into its compile-cache key, so leaving them there would make every
     start of a compiled model miss that cache."""
-    from enginectl.contract.engine import CONFIG_KEY
+    from enginectl.contract.engine_config import CONFIG_KEY
 
     if not getattr(args, "worker_extension_cls", None):
         args.worker_extension_cls = WORKER_EXTENSION

@@ -27,7 +27,8 @@ import structlog
 
 import enginectl
 from enginectl.common.gateway import SmgWorkers
-from enginectl.contract.engine import UNDECLARED_LABEL, EngineConfig
+from enginectl.contract.engine import UNDECLARED_LABEL
+from enginectl.contract.engine_config import EngineConfig
 from enginectl.server.config import GatewayConfig, RolloutConfig, ServeConfig
 from enginectl.server.fpm.identity import IdentitySync
 from enginectl.server.fpm.identity_gate import IdentityGate

@@ -218,7 +218,8 @@ def worker_main(argv: list[str]) -> int:
 
     from vllm import LLM, SamplingParams
 
-    from enginectl.contract.engine import CONFIG_KEY, EngineConfig, wire
+    from enginectl.contract.engine import wire
+    from enginectl.contract.engine_config import CONFIG_KEY, EngineConfig
     from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
     from enginectl.server.default_model import ensure_default_model
 

@@ -3,7 +3,7 @@
 Runs in the `enginectl serve` process. It is built before the engine starts (on the main
 thread, server/wiring.py): it creates a private temporary directory and binds a SUB socket
 (subscribed to everything) on `ipc://<dir>/fpm.sock`; serve hands every EngineCore that `endpoint` in its
-EngineConfig (contract/engine.py), and each rank's publisher connects to it (the frames:
+EngineConfig (contract/engine_config.py), and each rank's publisher connects to it (the frames:
 contract/fpm.py). `start` runs on the control loop: it builds the FpmRelay and drains the
 socket from that loop's reader callback, without a task or an await per frame.
 

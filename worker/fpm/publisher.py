@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from enginectl.contract.engine import EngineConfig
+from enginectl.contract.engine_config import EngineConfig
 from enginectl.contract.fpm import SCHEMA_VERSION, sample_frame
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.worker.fpm.generation import RUNNING, GenerationStatus, RankGeneration

@@ -20,7 +20,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from enginectl.contract.engine import EngineConfig
+from enginectl.contract.engine_config import EngineConfig
 from enginectl.worker.fpm.generation import RankGeneration
 from enginectl.worker.fpm.identity import WorkerIdentity
 from enginectl.worker.fpm.load import queued_load, scheduled_load
