@@ -8,8 +8,12 @@ stays usable. Each test makes the race certain with one fake (`held_sender`): th
 BroadcastGroup.broadcast returns only once the update's Operations are done. The paths:
 the trainer client's broadcast, its staged broadcast, and the fleet's one broadcast.
 
-Two servers (the fleet's; the trainer client's tests use the first), and a CPU burner beside
-them for the whole module (`cpu_burner_beside_servers`), as under load.
+Why a fake at all: the race is real (a CPU burner beside the server made it happen once in
+two runs), but a test that waits for it to happen would pass without the fix most of the time.
+Holding the sender's return is the only way to make the order certain; the servers, the gloo
+group and its collectives, the trainer client and the Operations are the real ones. Two
+servers (the fleet's; the trainer client's tests use the first), and a CPU burner beside them
+for the whole module (`cpu_burner_beside_servers`), as under load.
 """
 
 from __future__ import annotations

@@ -1,5 +1,13 @@
 """The OpenMP binding enginectl chooses for vLLM's CPU workers when vLLM's own would refuse
-(server/cpu_binding.py): pure arithmetic and the one environment variable, no engine."""
+(server/cpu_binding.py): pure arithmetic and the one environment variable, no engine.
+
+The NUMA layout is the host's: vLLM reads it from the kernel (`get_visible_memory_node`), and
+a test cannot give this machine a second node or take it away from another. So that one
+function is replaced by a stand-in that names the layout each rule is about (one node; two
+nodes), and nothing else is faked: the environment variable, the CPU affinity and vLLM's
+platform check are the real ones. The real path on this one-node host runs end to end in
+tests/e2e/test_tensor_parallel.py, which starts a TP=2 engine with no binding set and reads
+the `cpu threads bind default` line it logs."""
 
 from __future__ import annotations
 
