@@ -1,7 +1,7 @@
 """The names both sides of enginectl's `gloo` weight-transfer engine agree on: one definition.
 
 Pure Python (no torch, no vLLM). The trainer's side (client/transfer_engine.py, in the trainer
-process) and the workers' side (worker/weights/transfer_engine.py, inside vLLM's workers) are
+process) and the workers' side (worker/weights/transfer/engine.py, inside vLLM's workers) are
 registered in vLLM's two factories under one name, meet in a group of one default name, and
 give a join the same margin past its rendezvous timeout (docs/weights.md, "vLLM's
 weight-transfer engines").

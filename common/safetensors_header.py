@@ -1,9 +1,9 @@
 """The JSON header of a safetensors file (after its 8-byte length), parsed and checked.
 
 Torch-free, shared by both ends of a disk update: the `enginectl serve` process checks
-every file's header before planning the update (server/weights/disk.py `read_header`); each
+every file's header before planning the update (server/weights/sources/disk.py `read_header`); each
 worker maps the file and views every tensor where the header says its bytes lie
-(worker/weights/extension.py `mapped_safetensors`), or, staging, reads those bytes into its
+(worker/weights/readers/disk.py `mapped_safetensors`), or, staging, reads those bytes into its
 staging buffer (worker/weights/staging.py `_read_files`).
 """
 

@@ -111,7 +111,7 @@ class WorkerRpc(str, enum.Enum):
     CHECK_LOADED = "enginectl_check_loaded"
 
 
-# enginectl's weight-transfer engine, in vLLM's factory (worker/weights/transfer_engine.py).
+# enginectl's weight-transfer engine, in vLLM's factory (worker/weights/transfer/engine.py).
 GLOO_TRANSFER_BACKEND: Final = gloo_transfer.GLOO_TRANSFER_BACKEND  # common/gloo_transfer.py: one definition
 
 

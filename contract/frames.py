@@ -1,6 +1,6 @@
 """ZMQ frames of a weight update, encoded and decoded in this one place.
 
-Per update, the server binds (server/weights/channels.py) and every worker connects
+Per update, the server binds (server/weights/sources/channels.py) and every worker connects
 (worker/weights/channel.py):
 - a data channel per worker, not per DP rank (server PUSH -> worker PULL: a PUSH deals its
   messages round-robin between connected peers, so the tensor-parallel workers of one rank

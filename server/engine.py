@@ -343,7 +343,7 @@ class EngineAdapter:
         return [read(LoadCheck, worker) for workers in per_rank for worker in workers]
 
     async def transfer(self, step: TransferStep, payload: Any, timeout: float) -> list[TransferAnswer]:
-        """One step of vLLM's weight-transfer API on every worker (worker/weights/transfer_steps.py);
+        """One step of vLLM's weight-transfer API on every worker (worker/weights/transfer/steps.py);
         one answer per worker, rank by rank. `timeout` bounds the RPC itself."""
         per_rank = await self._worker_calls.call(WorkerRpc.TRANSFER, step.value, payload, timeout=timeout)
         return [read(TransferAnswer, worker) for workers in per_rank for worker in workers]

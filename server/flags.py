@@ -38,7 +38,7 @@ from enginectl.server.errors import ControlPlaneError
 from enginectl.server.fpm.identity import check_worker_id
 from enginectl.server.fpm.relay import DEFAULT_QUEUE_LIMIT, DEFAULT_RING_SIZE
 from enginectl.server.rollouts import SERVICE as ROLLOUT_SERVICE
-from enginectl.server.weights.staging import DEFAULT_TTL_S
+from enginectl.server.weights.update.staging import DEFAULT_TTL_S
 
 if TYPE_CHECKING:
     from enginectl.contract.engine_config import EngineConfig

@@ -32,7 +32,7 @@ from enginectl.common.gateway import (
     version_labels,
 )
 from enginectl.server.errors import ControlPlaneError
-from enginectl.server.weights.ledger import LedgerClosed, VersionState, WeightVersionLedger
+from enginectl.server.weights.version.ledger import LedgerClosed, VersionState, WeightVersionLedger
 
 log = structlog.get_logger("enginectl.gateway")
 

@@ -36,10 +36,10 @@ from enginectl.server.limits import MAX_MESSAGE_BYTES
 from enginectl.server.local_endpoint import LocalEndpoint
 from enginectl.server.prompt_calls import PromptCalls
 from enginectl.server.reflection import enable_reflection
-from enginectl.server.weights.ledger import WeightVersionLedger
-from enginectl.server.weights.operations import OperationStore
 from enginectl.server.weights.services import OperationsServicer, WeightUpdateServicer, WeightVersionServicer
 from enginectl.server.weights.transfer import WeightTransfer
+from enginectl.server.weights.update.operations import OperationStore
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 from enginectl.weights.v1 import (
     weight_update_service_pb2,
     weight_update_service_pb2_grpc,

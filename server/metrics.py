@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from enginectl.server.fpm.relay import FpmRelay
-from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 
 SOURCES = ("disk", "distributed", "tensors", "ipc")
 # How an update ended: cancelled = CancelOperation (or the caller left) before any tensor
@@ -36,7 +36,7 @@ PAUSE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 class GenerationPauses:
     """How long generation stays paused, from the pause to the resume, by who paused it.
 
-    Hears of every pause and resume enginectl makes (server/weights/generation.py); a pause
+    Hears of every pause and resume enginectl makes (server/weights/update/generation.py); a pause
     made through vLLM's own HTTP routes is not seen. A pause still running is in the gauge,
     not yet in the histogram."""
 
@@ -148,7 +148,7 @@ class ControlPlaneMetrics:
             self.update_bytes.labels(source=source).inc(nbytes)
 
     def pause_changed(self, reason: str | None) -> None:
-        """Generation paused by `reason` or resumed (None) (server/weights/generation.py)."""
+        """Generation paused by `reason` or resumed (None) (server/weights/update/generation.py)."""
         self.pauses.changed(reason)
 
     def identity_synced(self, result: str) -> None:
@@ -157,7 +157,7 @@ class ControlPlaneMetrics:
 
     def set_staged_bytes(self, nbytes: int) -> None:
         """Staged (two-phase) updates: the bytes of the set held between stage and commit
-        (server/weights/staging.py), 0 when none is."""
+        (server/weights/update/staging.py), 0 when none is."""
         self.staged_bytes.set(nbytes)
 
 

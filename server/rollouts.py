@@ -36,7 +36,7 @@ from enginectl.server.servicer_context import LocalContext, ServicerContext, sta
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from enginectl.server.weights.ledger import WeightVersionLedger
+    from enginectl.server.weights.version.ledger import WeightVersionLedger
     from enginectl.weights.v1 import weight_update_service_pb2
 
     GenerationStateReader = Callable[[], Awaitable[weight_update_service_pb2.GenerationState]]

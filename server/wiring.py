@@ -38,12 +38,12 @@ from enginectl.server.grpc_server import ControlPlaneServer, service_names
 from enginectl.server.health import ServingHealth
 from enginectl.server.metrics import ControlPlaneMetrics, register_fpm_metrics
 from enginectl.server.prompt_calls import PromptCalls
-from enginectl.server.weights.disk import checkpoint_tensors
-from enginectl.server.weights.fingerprints import WeightFingerprints
-from enginectl.server.weights.ledger import WeightVersionLedger
-from enginectl.server.weights.operations import OperationStore
+from enginectl.server.weights.sources.disk import checkpoint_tensors
 from enginectl.server.weights.transfer import WeightTransfer
+from enginectl.server.weights.update.operations import OperationStore
 from enginectl.server.weights.updates import WeightUpdates
+from enginectl.server.weights.version.fingerprints import WeightFingerprints
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 
 if TYPE_CHECKING:
     from enginectl.server.engine import EngineAdapter

@@ -95,8 +95,8 @@ def measure(model: Path, reps: int) -> dict[str, Any]:
 
 def _join_server_timings(reps: dict[str, list[dict[str, Any]]], servers: list[ServeProcess]) -> None:
     """Each update rep gets the slowest server's stage seconds, from the servers' "weights
-    staged" log lines (server/weights/staging.py, by staged set), and every server's commit
-    phases, from its "weights updated" line (server/weights/update_steps.py, by version)."""
+    staged" log lines (server/weights/update/staging.py, by staged set), and every server's commit
+    phases, from its "weights updated" line (server/weights/update/run.py, by version)."""
     staged: dict[tuple[str, str], float] = {}
     phases: dict[tuple[str, str], dict[str, float]] = {}
     for server in servers:

@@ -28,7 +28,7 @@ import sys
 import grpc
 
 from enginectl.server.weights.convert import weight_version_proto
-from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_version_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_service_pb2_grpc as pb2_grpc
 

@@ -6,7 +6,7 @@ the whole stream. Two ways to give it to them, both measured here on the same by
 rep and interleaved:
 
 - **per_worker** (what enginectl does): the server's end, a real `UpdateChannels`
-  (server/weights/channels.py) for `WorkerLayout(1, W)`, binds a PUSH per worker and sends
+  (server/weights/sources/channels.py) for `WorkerLayout(1, W)`, binds a PUSH per worker and sends
   every chunk to each of them without a copy (`copy=False`);
 - **relay**: the same `UpdateChannels` for `WorkerLayout(1, 1)`, one PUSH per rank, read by
   worker 0 alone, which passes every chunk on to the W-1 others (a PUSH of its own per peer,
@@ -168,7 +168,7 @@ async def one_rep(
     ctx: zmq.asyncio.Context, directory: Path, receivers: Receivers, way: str, workers: int, payload: int, op: str
 ) -> dict[str, Any]:
     """One stream of `payload` bytes to `workers` workers, `way` (see the module docstring)."""
-    from enginectl.server.weights.channels import UpdateChannels
+    from enginectl.server.weights.sources.channels import UpdateChannels
 
     layout = WorkerLayout(1, workers if way == "per_worker" else 1)
     channels = UpdateChannels(ctx, directory, op, layout)

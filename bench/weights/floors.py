@@ -27,7 +27,7 @@ next to the measurements the floors bound:
 - **engine round trip**: PauseGeneration and ResumeGeneration each need at least one
   EngineCore utility round trip (vLLM's pause_scheduler, resume_scheduler) behind one gRPC
   call. GetGenerationState is one gRPC call that costs exactly one EngineCore utility round
-  trip per DP rank (server/weights/generation.py `ranks`, server/engine.py
+  trip per DP rank (server/weights/update/generation.py `ranks`, server/engine.py
   `generation_state`; all ranks at once), so twice its p50, sampled between the pause reps,
   is the floor of a pause + resume round trip.
 """

@@ -265,7 +265,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
         "bandwidth); the flat row copies the same bytes as one buffer. "
         "*Engine round trip*: pause and resume each need one EngineCore utility round trip "
         "behind one gRPC call; GetGenerationState is one gRPC call making exactly one EngineCore "
-        "round trip per rank (server/weights/generation.py, server/engine.py), sampled twice "
+        "round trip per rank (server/weights/update/generation.py, server/engine.py), sampled twice "
         "between pause reps: the pause + resume floor is 2 x its p50.",
     ]
     return lines

@@ -45,7 +45,7 @@ from enginectl.server.fpm.relay import DEFAULT_QUEUE_LIMIT, DEFAULT_RING_SIZE, F
 from enginectl.server.fpm.samples import Relayed
 
 if TYPE_CHECKING:
-    from enginectl.server.weights.ledger import WeightVersionLedger
+    from enginectl.server.weights.version.ledger import WeightVersionLedger
 
 log = structlog.get_logger("enginectl.fpm")
 

@@ -19,7 +19,7 @@ from enginectl.common.vocabulary import WeightSource
 from enginectl.contract.engine import LoadResult, StageResult
 from enginectl.server.errors import Reason, invalid_field
 from enginectl.server.limits import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
-from enginectl.server.weights.ledger import Fingerprint, VersionState
+from enginectl.server.weights.version.ledger import Fingerprint, VersionState
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_pb2 as wv_pb2
 from enginectl.weights.v1 import weight_version_service_pb2 as wvs_pb2

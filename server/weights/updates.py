@@ -1,15 +1,17 @@
 """WeightUpdates: the long-lived state of weight updates, and what every RPC of the room asks of it.
 
-Runs in the `enginectl serve` process, on the control loop. It owns what outlives an update:
-the generation pause state (generation.py), the trainer's groups (groups.py), the stage and its
-set (staging.py), the fingerprints (fingerprints.py), the validator (plans.py) and the
-request_id table; the servicers (services/) make one call into it per RPC. `start` checks the
-rules before an update runs (docs/architecture.md, "The update state machine": one update at
-a time, a retried request_id answers its first Operation, the ledger's write lock taken before
-the Operation is returned), then starts one task per update: the stage (staging.py) or an
-UpdateRun (run.py), which holds that update's own state. Workers (worker/weights/) do the
-loading; they are reached through the typed engine adapter and the update's ZMQ channels
-(channels.py); a tensor stream's chunks arrive through tensor_stream.py.
+Runs in the `enginectl serve` process, on the control loop. The room is split by concern
+(docs/architecture.md, "Modules"): the version (version/: the ledger, fingerprints), the update
+(update/: the run, generation and its pause paths, staging, outcome, plans, operations) and the
+sources of weights (sources/: the workers' own reading with its channels, the tensor stream, the
+transfer round, and the checks of each request). This object owns what outlives an update: the
+generation pause state, the trainer's groups, the stage and its set, the fingerprints, the
+validator and the request_id table; the servicers (services/) make one call into it per RPC.
+`start` checks the rules before an update runs (docs/architecture.md, "The update state
+machine": one update at a time, a retried request_id answers its first Operation, the ledger's
+write lock taken before the Operation is returned), chooses the update's source once, then
+starts one task per update: the stage (update/staging.py) or an UpdateRun (update/run.py),
+which holds that update's own state.
 """
 
 from __future__ import annotations
@@ -24,24 +26,23 @@ from pathlib import Path
 
 import grpc
 import structlog
-import zmq.asyncio
 
 from enginectl.contract.engine import Cause
-from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, to_status
-from enginectl.server.weights.channels import UpdateChannels
+from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.weights.convert import source_proto, verify_response
-from enginectl.server.weights.disk import TensorInfo
 from enginectl.server.weights.engine_protocols import UpdateEngine
-from enginectl.server.weights.fingerprints import WeightFingerprints
-from enginectl.server.weights.generation import Generation
-from enginectl.server.weights.groups import UpdateGroups, backends
-from enginectl.server.weights.ledger import WeightVersionLedger
-from enginectl.server.weights.operations import OperationStore, UpdateOperation
-from enginectl.server.weights.outcome import report_finished
-from enginectl.server.weights.plans import UpdatePlan, UpdateValidator
-from enginectl.server.weights.run import Loader, RunParts, UpdateRun
-from enginectl.server.weights.staging import DEFAULT_TTL_S, STAGED_PREFIX, Feed, StagedSet, Stager, Staging
-from enginectl.server.weights.tensor_stream import TensorStream, read_header
+from enginectl.server.weights.sources.groups import UpdateGroups, backends
+from enginectl.server.weights.sources.tensor_stream import TensorStream, read_header
+from enginectl.server.weights.sources.validation import UpdateValidator
+from enginectl.server.weights.sources.workers import WorkerSources
+from enginectl.server.weights.update.generation import Generation
+from enginectl.server.weights.update.operations import OperationStore, UpdateOperation
+from enginectl.server.weights.update.outcome import report_finished
+from enginectl.server.weights.update.plans import TensorInfo, UpdatePlan, UpdateSource
+from enginectl.server.weights.update.run import RunParts, UpdateRun
+from enginectl.server.weights.update.staging import DEFAULT_TTL_S, STAGED_PREFIX, StagedSet, Staging
+from enginectl.server.weights.version.fingerprints import WeightFingerprints
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_service_pb2 as wvs_pb2
 
@@ -74,10 +75,12 @@ class WeightUpdates:
         # "failed", "partial" (failed after writing began) or "cancelled" (before it began).
         self._on_finished = on_finished
         self._ranks = engine.info.data_parallel_size
-        self._ctx = zmq.asyncio.Context()
         self._dir = Path(tempfile.mkdtemp(prefix="enginectl-updates-"))
         self.generation = Generation(engine, self._ranks, on_pause, on_partial)
         self.groups = UpdateGroups(engine)
+        # The source of every update whose workers read the weights themselves (and of a
+        # tensor stream, fed through their channels); a transfer round brings its own.
+        self._sources = WorkerSources(engine, engine.info.layout, self.groups, self._dir)
         self._validator = UpdateValidator(
             ledger, self.groups, allowed_roots=allowed_roots, expected=expected, served_dtype=engine.info.dtype
         )
@@ -87,16 +90,11 @@ class WeightUpdates:
         self.staging = Staging(
             engine,
             ledger,
-            self._ctx,
-            self._dir,
-            engine.info.layout,
             max_bytes=max_staged_bytes if max_staged_bytes is not None else model_bytes,
             ttl=staged_ttl,
             on_bytes=on_staged_bytes,
         )
-        self._parts = RunParts(
-            engine, ledger, self.generation, self.groups, self.fingerprints, self.staging, on_finished
-        )
+        self._parts = RunParts(engine, ledger, self.generation, self.fingerprints, self.staging, on_finished)
         # request_id -> (the plan's key, its Operation): a retry answers the first Operation.
         self._by_request_id: dict[str, tuple[tuple[object, ...], UpdateOperation]] = {}
 
@@ -119,7 +117,7 @@ class WeightUpdates:
     def close(self) -> None:
         if self.generation.active is not None:
             self.generation.active.cancel()
-        self._ctx.destroy(0)
+        self._sources.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     async def prepare(self) -> None:
@@ -183,11 +181,11 @@ class WeightUpdates:
         messages = requests.__aiter__()
         plan = self._validator.tensors(await read_header(messages))
         stream = TensorStream(messages, plan.bytes_total)
-        op, started = await self.start(plan, stream.feed)
+        op, started = await self.start(plan.arriving_by(self._sources.read(plan, stream.feed)))
         store = self._store
         if started:
             await stream.follow(
-                op, store, lambda: self._abort(op, Cause.STREAM_BROKEN, "the client cancelled the stream or went away")
+                op, store, lambda: op.abort(Cause.STREAM_BROKEN, "the client cancelled the stream or went away")
             )
         if op.done and op.failure is not None:
             raise op.failure
@@ -222,19 +220,13 @@ class WeightUpdates:
         verdict, recorded, current = await self.fingerprints.verify(self._ledger.state, full)
         return verify_response(verdict, recorded, current, self._ledger.state)
 
-    def _abort(self, op: UpdateOperation, cause: Cause, message: str) -> None:
-        """Stop a running update (its workers see an abort frame)."""
-        if not op.done and op.on_abort is not None:
-            op.on_abort(cause, message)
-
     # --- starting an update ------------------------------------------------------------------
 
-    async def start(
-        self, plan: UpdatePlan, feed: Feed | None = None, loader: Loader | None = None, stager: Stager | None = None
-    ) -> tuple[UpdateOperation, bool]:
+    async def start(self, plan: UpdatePlan) -> tuple[UpdateOperation, bool]:
         """Create the Operation and start the update; (operation, started). A retried
-        request_id returns the first operation (started=False). A transfer engine's round
-        (transfer.py) brings its `loader`, and its `stager` for a stage.
+        request_id returns the first operation (started=False). The update's source is chosen
+        here, once: the one the plan arrives by (a tensor stream, a transfer round), else the
+        workers read the weights themselves (sources/workers.py).
 
         The ledger's write lock is taken here, before the Operation is returned, and held
         until the update is recorded: a declaration accepted after this call applies after
@@ -252,8 +244,7 @@ class WeightUpdates:
             self.staging.check_committable(plan.stage_token)
         if plan.stage_only:
             self.staging.check(plan)
-        if plan.group:
-            self.groups.in_use.add(plan.group)
+        source = plan.via if plan.via is not None else self._sources.read(plan)
         op_id = plan.request_id or str(uuid.uuid4())
         metadata = pb2.UpdateWeightsMetadata(
             phase=pb2.UPDATE_PHASE_VALIDATING,
@@ -266,7 +257,7 @@ class WeightUpdates:
         if plan.version is not None:
             metadata.weight_version = plan.version
         metadata.start_time.FromNanoseconds(time.time_ns())
-        op = UpdateOperation(f"operations/{op_id}", metadata)
+        op = UpdateOperation(f"operations/{op_id}", metadata, source)
         op.touch()
         self._store.add(op)
         if plan.request_id:
@@ -277,23 +268,26 @@ class WeightUpdates:
         }
         if plan.stage_only:  # no pause, no ledger lock: generation and declarations go on
             staged = self.staging.reserve(plan, op)
-            asyncio.ensure_future(self._stage(staged, op, plan, feed, stager))
+            asyncio.ensure_future(self._stage(staged, op, source))
             return op, True
-        self.generation.active = op  # from here on, another update is refused
+        self.generation.update_began(op)  # from here on, another update is refused
         if plan.stage_token:  # from here on, a discard of the set is refused
             self.staging.commit_started(plan.stage_token, op.name)
         lock = self._ledger.writing()
         try:
             await lock.acquire()
         except asyncio.CancelledError:  # the caller went away before the update could start
-            self.generation.active = None
+            self.generation.update_ended(op)
+            source.close()
             if plan.stage_token:
                 self.staging.commit_ended(plan.stage_token, op.name)
-            cancelled = ControlPlaneError(
-                grpc.StatusCode.CANCELLED, Reason.UPDATE_CANCELLED, "the call was cancelled before the update started"
+            op.fail(
+                ControlPlaneError(
+                    grpc.StatusCode.CANCELLED,
+                    Reason.UPDATE_CANCELLED,
+                    "the call was cancelled before the update started",
+                )
             )
-            op.failure = cancelled
-            op.finish(error=to_status(cancelled))
             report_finished(self._on_finished, op, plan, "cancelled", 0)
             raise
         log.info(
@@ -304,18 +298,10 @@ class WeightUpdates:
             version=plan.version,
             tensors=len(plan.tensors),
         )
-        channels = UpdateChannels(self._ctx, self._dir, op_id[:36], self._engine.info.layout)
-        asyncio.ensure_future(UpdateRun(self._parts, op, plan, channels, lock, feed, loader).run())
+        asyncio.ensure_future(UpdateRun(self._parts, op, plan, source, lock).run())
         return op, True
 
-    async def _stage(
-        self, staged: StagedSet, op: UpdateOperation, plan: UpdatePlan, feed: Feed | None, stager: Stager | None
-    ) -> None:
+    async def _stage(self, staged: StagedSet, op: UpdateOperation, source: UpdateSource) -> None:
+        plan = staged.plan
         log.info("weight stage started", operation=op.name, source=plan.source.value, tensors=len(plan.tensors))
-        try:
-            if stager is not None:
-                await self.staging.run_round(staged, op, stager, time.monotonic())
-            else:
-                await self.staging.run(staged, op, feed, time.monotonic())
-        finally:
-            self.groups.in_use.discard(plan.group)
+        await self.staging.run(staged, op, source, time.monotonic())

@@ -39,7 +39,7 @@ from support.weights import Checkpoints, stop_server
 import enginectl
 from enginectl.client import Client
 from enginectl.server.grpc_server import ControlPlaneServer, TlsConfig
-from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 
 ENGINECTL = str(BIN / "enginectl")
 ENV = base_env()  # no $ENGINECTL_TOKEN

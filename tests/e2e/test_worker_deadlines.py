@@ -49,7 +49,7 @@ from support.weights import WeightStubs, greedy_tokens
 from enginectl.client.errors import EnginectlError, from_rpc_error
 from enginectl.contract.engine import LATE_ANSWER_GRACE_S, QUICK_RPC_TIMEOUT_S
 from enginectl.server.serve import ENGINE_DEAD_EXIT_CODE
-from enginectl.server.weights.groups import JOIN_MARGIN_S
+from enginectl.server.weights.sources.groups import JOIN_MARGIN_S
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from enginectl.client.errors import Reason, from_rpc_error
 from enginectl.server.grpc_server import ControlPlaneServer
-from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
 from enginectl.weights.v1 import weight_version_service_pb2_grpc as wv_grpc
 

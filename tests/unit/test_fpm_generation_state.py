@@ -17,11 +17,11 @@ from support.fpm_helpers import RUNNING, state
 from enginectl.common.vocabulary import WeightSource
 from enginectl.contract.engine import Cause, PauseReason
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
-from enginectl.server.weights.disk import TensorInfo
-from enginectl.server.weights.ledger import WeightVersionLedger
-from enginectl.server.weights.operations import OperationStore
-from enginectl.server.weights.plans import UpdatePlan
+from enginectl.server.weights.sources.disk import TensorInfo
+from enginectl.server.weights.update.operations import OperationStore
+from enginectl.server.weights.update.plans import UpdatePlan
 from enginectl.server.weights.updates import WeightUpdates
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.worker.fpm.generation import RankGeneration
 

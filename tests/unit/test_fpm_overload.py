@@ -35,7 +35,7 @@ from enginectl.server.fpm.relay_zmq import (
 from enginectl.server.fpm.samples import SampleFilter
 from enginectl.server.grpc_server import ControlPlaneServer
 from enginectl.server.prompt_calls import PromptCalls
-from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_version_service_pb2 as wv_pb2
 from enginectl.weights.v1 import weight_version_service_pb2_grpc as wv_grpc
 

@@ -28,7 +28,7 @@ from enginectl.server.fpm.relay import FpmRelay, RelayClosed, Subscription
 from enginectl.server.fpm.relay_zmq import FpmRelayHost
 from enginectl.server.fpm.samples import SampleFilter
 from enginectl.server.fpm.services.stream import encode_batch
-from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 
 STEP, HEARTBEAT = fpm_pb2.SAMPLE_KIND_STEP, fpm_pb2.SAMPLE_KIND_HEARTBEAT
 

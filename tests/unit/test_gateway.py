@@ -28,7 +28,7 @@ from enginectl.common.gateway import (
     version_labels,
 )
 from enginectl.server.gateway import Backoff, GatewayRegistration
-from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 
 UNKNOWN_ID = "00000000-0000-7000-8000-000000000000"
 

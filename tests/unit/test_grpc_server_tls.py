@@ -9,7 +9,7 @@ from support.pki import Pki
 
 from enginectl.client import AsyncClient, EnginectlError, UnavailableError
 from enginectl.server.grpc_server import ControlPlaneServer, TlsConfig
-from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 
 
 async def _serve(tls: TlsConfig) -> tuple[ControlPlaneServer, str]:

@@ -29,11 +29,11 @@ from enginectl.server.http.route_calls import RouteCalls
 from enginectl.server.http.route_error import status_error
 from enginectl.server.http.routes import REFUSED, mount
 from enginectl.server.local_plane import LocalPlane
-from enginectl.server.weights.disk import TensorInfo
-from enginectl.server.weights.ledger import WeightVersionLedger
-from enginectl.server.weights.operations import OperationStore
+from enginectl.server.weights.sources.disk import TensorInfo
 from enginectl.server.weights.transfer import WeightTransfer
+from enginectl.server.weights.update.operations import OperationStore
 from enginectl.server.weights.updates import WeightUpdates
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2
 
 TOKEN = "s3cret-token"

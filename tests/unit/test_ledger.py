@@ -11,7 +11,7 @@ import pytest
 from enginectl.client.errors import Reason
 from enginectl.contract.engine import UNDECLARED_LABEL
 from enginectl.server.errors import ControlPlaneError
-from enginectl.server.weights.ledger import Failure, LedgerClosed, WeightSource, WeightVersionLedger
+from enginectl.server.weights.version.ledger import Failure, LedgerClosed, WeightSource, WeightVersionLedger
 
 
 async def test_never_declared_then_placeholder_names_are_ordinary_versions() -> None:
@@ -175,7 +175,7 @@ async def test_close_ends_watchers() -> None:
 
 
 async def test_update_records_through_the_write_lock_and_a_failure_leaves_no_label() -> None:
-    from enginectl.server.weights.ledger import Failure, Fingerprint
+    from enginectl.server.weights.version.ledger import Failure, Fingerprint
 
     published: list[str] = []
 

@@ -19,11 +19,11 @@ from enginectl.contract.engine import Cause, RankFailure, RankIdentity
 from enginectl.server.errors import ControlPlaneError
 from enginectl.server.fpm.identity import IdentitySync
 from enginectl.server.metrics import ControlPlaneMetrics
-from enginectl.server.weights.disk import TensorInfo
-from enginectl.server.weights.ledger import WeightVersionLedger
-from enginectl.server.weights.operations import OperationStore, UpdateOperation
-from enginectl.server.weights.plans import UpdatePlan
+from enginectl.server.weights.sources.disk import TensorInfo
+from enginectl.server.weights.update.operations import OperationStore, UpdateOperation
+from enginectl.server.weights.update.plans import UpdatePlan
 from enginectl.server.weights.updates import WeightUpdates
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 from enginectl.server.worker_calls import RankOutcome
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 

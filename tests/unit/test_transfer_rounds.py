@@ -18,11 +18,11 @@ from support.engine_double import EngineDouble
 from enginectl.common.vocabulary import Reason
 from enginectl.contract.engine import TransferStep
 from enginectl.server.errors import ControlPlaneError
-from enginectl.server.weights.disk import TensorInfo
-from enginectl.server.weights.ledger import WeightVersionLedger
-from enginectl.server.weights.operations import OperationStore, UpdateOperation
+from enginectl.server.weights.sources.disk import TensorInfo
 from enginectl.server.weights.transfer import WeightTransfer, plain
+from enginectl.server.weights.update.operations import OperationStore, UpdateOperation
 from enginectl.server.weights.updates import WeightUpdates
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 TENSOR = TensorInfo("w", "float32", (2, 2))

@@ -1,5 +1,5 @@
 """An update's ZMQ channels with more than one worker per DP rank (tensor parallelism), on real
-ZMQ sockets: the server's end (server/weights/channels.py) and every worker's end
+ZMQ sockets: the server's end (server/weights/sources/channels.py) and every worker's end
 (worker/weights/channel.py) in this process, no vLLM.
 
 A PUSH deals its messages round-robin between connected peers, so channels shared by the
@@ -19,8 +19,8 @@ import pytest
 import zmq.asyncio
 
 from enginectl.contract.engine import Cause, LoadPlan, Source, WorkerLayout
-from enginectl.server.weights.channels import UpdateChannels
-from enginectl.server.weights.operations import ProgressTally, UpdateOperation
+from enginectl.server.weights.sources.channels import UpdateChannels
+from enginectl.server.weights.update.operations import ProgressTally, UpdateOperation
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.ranks import place

@@ -1,4 +1,4 @@
-"""How a worker reads a checkpoint from disk (worker/weights/extension.py), without a server:
+"""How a worker reads a checkpoint from disk (worker/weights/readers/disk.py), without a server:
 views of the file mapped copy-on-write, in the order of the bytes. Disk updates on a real
 engine are in tests/e2e/weight_updates/test_weight_update.py.
 """
@@ -19,7 +19,7 @@ def test_disk_files_are_read_as_views_of_the_mapped_file(tmp_path: Path) -> None
     the file is refused at that tensor (the load fails, LOAD_FAILED)."""
     import torch
 
-    from enginectl.worker.weights.extension import mapped_safetensors
+    from enginectl.worker.weights.readers.disk import mapped_safetensors
 
     tensors = {
         "z.odd": torch.arange(5, dtype=torch.uint8),

@@ -106,8 +106,8 @@ def test_handle_checks_answer_every_input_with_a_reason(
     """Any handle is either accepted, and then keeps the tensor inside its storage, or refused
     with IPC_HANDLE_INVALID; never another error."""
     from enginectl.server.errors import ControlPlaneError
-    from enginectl.server.weights.disk import TensorInfo
-    from enginectl.server.weights.ipc import ipc_handles
+    from enginectl.server.weights.sources.disk import TensorInfo
+    from enginectl.server.weights.sources.ipc import ipc_handles
 
     handle = upb.IpcTensorHandle(storage_offset=offset, stride=stride)
     if kind == "shared_memory":
@@ -132,7 +132,7 @@ def test_handle_checks_answer_every_input_with_a_reason(
 
 async def test_ipc_updates_need_the_token() -> None:
     from enginectl.server.grpc_server import ControlPlaneServer
-    from enginectl.server.weights.ledger import WeightVersionLedger
+    from enginectl.server.weights.version.ledger import WeightVersionLedger
     from enginectl.weights.v1 import weight_update_service_pb2_grpc as upb_grpc
 
     plane = ControlPlaneServer(WeightVersionLedger(), token="s3cret-token")

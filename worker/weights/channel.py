@@ -1,4 +1,4 @@
-"""The worker's end of one update's ZMQ channels (the server's end: server/weights/channels.py).
+"""The worker's end of one update's ZMQ channels (the server's end: server/weights/sources/channels.py).
 
 Runs inside a vLLM worker, on its RPC thread (the thread that runs the LOAD worker RPC). The
 frames are defined in contract/frames.py.

@@ -4,7 +4,7 @@ failed update left behind reaches the requests served after a successful one.
 Runs INSIDE every vLLM worker process, mixed into the worker by `EnginectlWorkerExtension`
 (worker/weights/extension.py); the server calls `enginectl_check_loaded` (WorkerRpc.CHECK_LOADED)
 on every worker after every successful load, while generation is still paused
-(server/weights/run.py). Who may touch the weights: the worker's RPC thread only, inside
+(server/weights/update/run.py). Who may touch the weights: the worker's RPC thread only, inside
 `weight_access` (worker/weights/fingerprints.py).
 
 Why (docs/weights.md, "Recovery after a partial update"):

@@ -13,10 +13,13 @@ abort from the server) it stops early and records why, so vLLM still finalises e
 and the model stays usable; the server then knows whether any tensor was written
 (`weights_modified`) and reports a partial update.
 
-Data and control reach the worker over ZMQ from the server (worker/weights/channel.py):
-stream chunks and abort frames (CancelOperation, timeout, broken stream) in, progress out.
-An IPC update's tensors are the trainer's memory, mapped on this thread before loading and
-unmapped before the RPC answers (worker/weights/ipc.py).
+Where the tensors come from is the reader of the plan's source (worker/weights/readers/: the
+disk files, the tensor stream, the trainer's memory over IPC, a group's broadcasts, a staged
+set), opened on this thread before loading and closed before the RPC answers: an IPC update's
+mappings of the trainer's memory never outlive the load. The load itself never asks which
+source it reads. Data and control reach the worker over ZMQ from the server
+(worker/weights/channel.py): stream chunks and abort frames (CancelOperation, timeout, broken
+stream) in, progress out.
 
 Building the worker attaches enginectl's EngineCore utilities (worker/attach.py): on
 single-worker engines the worker runs in the EngineCore process, which then has them even
@@ -25,9 +28,6 @@ under another scheduler. Importing this module changes nothing in vLLM.
 
 from __future__ import annotations
 
-import mmap
-import os
-import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,18 +36,17 @@ from typing import Any
 import torch
 
 from enginectl.common import dtypes
-from enginectl.common.safetensors_header import parse_header
-from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, Source, TensorSpec, WorkerRpc, read, wire
+from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, WorkerRpc, read, wire
 from enginectl.worker.attach import attach
 from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.checks import CheckMixin
 from enginectl.worker.weights.fingerprints import FingerprintMixin, weight_access
-from enginectl.worker.weights.groups import GroupsMixin, aligned, typed_view
-from enginectl.worker.weights.ipc import IpcTensors
+from enginectl.worker.weights.groups import GroupsMixin
 from enginectl.worker.weights.ranks import place
+from enginectl.worker.weights.readers import Reader, open_reader
 from enginectl.worker.weights.staging import StagingMixin
-from enginectl.worker.weights.transfer_engine import register as register_transfer_engine
-from enginectl.worker.weights.transfer_steps import TransferMixin
+from enginectl.worker.weights.transfer.engine import register as register_transfer_engine
+from enginectl.worker.weights.transfer.steps import TransferMixin
 
 
 @dataclass
@@ -79,26 +78,16 @@ class EnginectlWorkerExtension(FingerprintMixin, CheckMixin, GroupsMixin, Stagin
         where = place(self)
         state = _LoadState()
         channel = Channel(plan, where)
-        mapped: IpcTensors | None = None
+        reader: Reader | None = None
         try:
-            if plan.source == Source.DISK:
-                # Every file mapped and viewed before vLLM sees a tensor: a file that no longer
-                # fits its header fails the load with the weights untouched.
-                tensors = _handed_over(list(disk_tensors(plan)))
-            elif plan.source == Source.STAGED:  # a commit: from memory staged earlier
-                tensors = self._enginectl_staged_tensors(plan)
-            elif plan.source == Source.TENSORS:
-                tensors = self._enginectl_stream_tensors(plan, channel)
-            elif plan.source == Source.IPC:
-                # Every handle mapped before vLLM sees a tensor: a bad one changes nothing.
-                mapped = IpcTensors(plan, where.index)
-                tensors = iter(mapped.pairs)
-            else:
-                tensors = self._enginectl_broadcast_tensors(plan, channel)
+            # What must precede the first tensor (files listed, handles mapped, the group found)
+            # is done here: a source that refuses leaves the weights untouched.
+            reader = open_reader(self, plan, channel)
+            tensors, broken_cause = reader.tensors(), reader.broken_cause
 
             # Sizes by name, taken here: a torch call per tensor costs several times more once
             # vLLM's reload runs this generator (docs/weights.md, "Threads and the weights").
-            sizes = {spec.name: _nbytes(spec) for spec in plan.tensors}
+            sizes = {spec.name: dtypes.nbytes(spec.dtype, spec.shape) for spec in plan.tensors}
 
             def guarded() -> Iterator[tuple[str, torch.Tensor]]:
                 try:
@@ -115,23 +104,20 @@ class EnginectlWorkerExtension(FingerprintMixin, CheckMixin, GroupsMixin, Stagin
                 except Abort as exc:
                     state.error = LoadError(exc.cause, str(exc))
                 except Exception as exc:  # noqa: BLE001 - a broken sender, a truncated file, ...
-                    cause = Cause.STREAM_BROKEN if plan.source == Source.DISTRIBUTED else Cause.LOAD_FAILED
-                    state.error = LoadError(cause, f"{type(exc).__name__}: {exc}")
+                    state.error = LoadError(broken_cause, f"{type(exc).__name__}: {exc}")
 
             try:
                 self.reload_weights(weights_iterator=guarded())  # type: ignore[attr-defined]
             except Exception as exc:  # noqa: BLE001 - reported as this worker's failure
                 state.error = state.error or LoadError(Cause.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
                 _finalize_after_failure(self)
-            if plan.source == Source.STAGED:
-                self._enginectl_after_commit()
-        except Abort as exc:  # the source refused before loading began (an IPC handle)
+        except Abort as exc:  # the source refused before loading began (an IPC handle, a group)
             state.error = state.error or LoadError(exc.cause, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported as this worker's failure
             state.error = state.error or LoadError(Cause.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
         finally:
-            if mapped is not None:  # the trainer owns the memory: no mapping outlives the load
-                mapped.close()
+            if reader is not None:  # after vLLM's reload: no IPC mapping outlives the load
+                reader.close()
             channel.progress(state.loaded, state.nbytes, force=True)
             channel.close()
         return LoadResult(
@@ -144,94 +130,10 @@ class EnginectlWorkerExtension(FingerprintMixin, CheckMixin, GroupsMixin, Stagin
             error=state.error,
         )
 
-    def _enginectl_stream_tensors(self, plan: LoadPlan, channel: Channel) -> Iterator[tuple[str, torch.Tensor]]:
-        """Tensors from stream chunks, each yielded as soon as its last byte arrived. Every
-        view of the reused receive buffer is made here, before vLLM's reload runs (inside it
-        each torch call costs several times more); a tensor that a 1-byte tensor of odd size
-        left unaligned is copied once it arrived instead (None until then)."""
-        specs = plan.tensors
-        buffer = _reusable_buffer(self, sum(_nbytes(spec) for spec in specs))
-        views: list[torch.Tensor | None] = []
-        ends: list[int] = []
-        start = 0
-        for spec in specs:
-            views.append(typed_view(buffer, start, spec.dtype, spec.shape) if aligned(start, spec.dtype) else None)
-            start += _nbytes(spec)
-            ends.append(start)
-        return _streamed(specs, buffer, views, ends, channel)
-
 
 # Every worker RPC of the contract is a method here (vLLM's collective_rpc calls it by name).
 _missing = [rpc.value for rpc in WorkerRpc if not callable(getattr(EnginectlWorkerExtension, rpc.value, None))]
 assert not _missing, f"worker RPCs without a method: {_missing}"
-
-
-def disk_tensors(plan: LoadPlan) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a disk update's files, in file order."""
-    for file in plan.files:
-        yield from mapped_safetensors(file)
-
-
-def mapped_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of one safetensors file, in the order of their bytes: views of the file
-    mapped copy-on-write, so the load copies every byte once, from the page cache into the
-    parameters (docs/weights.md, "disk"). The server checked the header before planning the
-    update; a file changed since raises at the tensor that no longer fits, and since a load
-    lists every file's tensors before vLLM sees one, the load fails (LOAD_FAILED) with the
-    weights untouched."""
-    with open(path, "rb") as handle:
-        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-    (header_len,) = struct.unpack_from("<Q", mapping, 0)
-    start = 8 + header_len
-    name = os.path.basename(path)
-    data = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping while a view lives
-    for entry in parse_header(mapping[8:start], name):
-        if start + entry.end > data.numel():
-            raise ValueError(f"{name}: tensor {entry.name!r} does not fit the file")
-        yield entry.name, typed_view(data, start + entry.begin, entry.dtype, entry.shape)
-
-
-def _streamed(
-    specs: tuple[TensorSpec, ...],
-    buffer: torch.Tensor,
-    views: list[torch.Tensor | None],
-    ends: list[int],
-    channel: Channel,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of `specs` (`views` of `buffer`, ending at `ends`) as the chunks fill it."""
-    received_view = memoryview(buffer.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
-    index = 0
-    while index < len(specs):
-        chunk = channel.recv()  # an abort raises: short streams end that way
-        received_view[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
-        received = chunk.offset + len(chunk.data)
-        while index < len(specs) and ends[index] <= received:
-            spec, tensor = specs[index], views[index]
-            if tensor is None:
-                tensor = typed_view(buffer, ends[index] - _nbytes(spec), spec.dtype, spec.shape)
-            index += 1
-            yield spec.name, tensor
-
-
-def _handed_over(pairs: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """`pairs` in order, each let go of once handed on: the list does not keep a tensor (and
-    its file mapping) alive after vLLM loaded it."""
-    pairs.reverse()
-    while pairs:
-        yield pairs.pop()
-
-
-def _nbytes(spec: TensorSpec) -> int:
-    return dtypes.nbytes(spec.dtype, spec.shape)
-
-
-def _reusable_buffer(worker: Any, size: int) -> torch.Tensor:
-    """A uint8 receive buffer of `size` bytes, reused across updates when it fits."""
-    buffer = getattr(worker, "_enginectl_stream_buffer", None)
-    if buffer is None or buffer.numel() < size:
-        buffer = torch.empty(size, dtype=torch.uint8)
-        worker._enginectl_stream_buffer = buffer
-    return buffer[:size]
 
 
 def _finalize_after_failure(worker: Any) -> None:

@@ -2,7 +2,7 @@
 
 Runs INSIDE every vLLM worker process, mixed into the worker by `EnginectlWorkerExtension`
 (worker/weights/extension.py); the `enginectl serve` process reaches these methods through
-`collective_rpc` on every EngineCore (server/weights/fingerprints.py drives them). Their names
+`collective_rpc` on every EngineCore (server/weights/version/fingerprints.py drives them). Their names
 and answers are the engine contract's (contract/engine.py: WorkerRpc, WorkerDigest,
 DigestSlice).
 

@@ -10,6 +10,11 @@ join stands until it ends or the caller's timeout passes; a join given up on is 
 ends. One background thread per update receives broadcasts (per tensor, or per bucket of
 tensors: common/buckets.py) into reusable buffers; neither thread touches the model
 (worker/weights/fingerprints.py, "who may touch the weights").
+
+What other modules use: `Group`, `Join` and `start_join` (the `gloo` transfer engine joins
+its group as INIT_GROUP does: worker/weights/transfer/engine.py), `broadcast_tensors` (the
+DISTRIBUTED source of a load, worker/weights/readers/broadcast.py, and of a stage),
+`received_broadcast` (the one receive of both), `typed_view` and `aligned`.
 """
 
 from __future__ import annotations
@@ -36,7 +41,10 @@ BufferKey = tuple[str, str, tuple[int, ...]]
 
 
 @dataclass
-class _Group:
+class Group:
+    """A group this worker joined: its process group, this worker's rank in it, and the
+    receive buffers its broadcasts land in."""
+
     name: str
     pg: Any
     rank: int
@@ -50,15 +58,22 @@ class _Group:
 
 
 @dataclass
-class _Join:
-    """A join running on its thread; `outcome` is set by that thread when it ends."""
+class Join:
+    """A join running on its thread (start_join); `outcome` is set by that thread when it ends:
+    the Group joined, or why not."""
 
     spec: GroupSpec
     dp_rank: int
     rank: int
     thread: threading.Thread | None = None
-    outcome: _Group | GroupJoined | None = None
+    outcome: Group | GroupJoined | None = None
     abandoned: bool = False  # given up on (destroyed, or its group exists): drop it when done
+
+    def wait(self, timeout: float) -> Group | GroupJoined | None:
+        """Wait up to `timeout` seconds for the join to end; its outcome (None: not ended)."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+        return self.outcome
 
 
 @dataclass(frozen=True)
@@ -76,42 +91,25 @@ def _timed_out(waited: float, timeout: float) -> bool:
 
 
 class GroupsMixin:
-    """Worker RPCs for update groups, and the broadcast source of a DISTRIBUTED load."""
-
-    def _enginectl_groups(self) -> dict[str, _Group]:
-        groups: dict[str, _Group] | None = getattr(self, "_enginectl_group_table", None)
-        if groups is None:
-            groups = {}
-            self._enginectl_group_table = groups
-        return groups
-
-    def _enginectl_joins(self) -> dict[str, _Join]:
-        joins: dict[str, _Join] | None = getattr(self, "_enginectl_join_table", None)
-        if joins is None:
-            joins = {}
-            self._enginectl_join_table = joins
-        return joins
+    """Worker RPCs for update groups (the groups' broadcasts are read by broadcast_tensors)."""
 
     def enginectl_init_group(self, spec_wire: Any) -> Any:
         """Start joining the private group `spec` (own TCPStore + PrefixStore) on a thread;
         vLLM's own process groups are never touched. Answers at once a GroupJoined: `joining`,
         or why not (the group exists here)."""
         spec = read(GroupSpec, spec_wire)
-        joins = self._enginectl_joins()
-        if spec.name in self._enginectl_groups() or spec.name in joins:
+        joins = _joins(self)
+        if spec.name in _groups(self) or spec.name in joins:
             return wire(
                 GroupJoined(dp_rank(self), -1, Reason.GROUP_INIT_FAILED, f"group {spec.name!r} exists on this worker")
             )
-        join = _Join(spec, dp_rank(self), spec.rank_offset + global_rank(self))
-        join.thread = threading.Thread(target=_run_join, args=(join,), name=f"enginectl-join-{spec.name}", daemon=True)
-        joins[spec.name] = join
-        join.thread.start()
+        join = joins[spec.name] = start_join(spec, dp_rank(self), spec.rank_offset + global_rank(self))
         return wire(GroupJoined(dp_rank(self), join.rank, joining=True))
 
     def enginectl_group_join_state(self, name: str) -> Any:
         """How the join of `name` stands (a GroupJoined): still `joining`, the rank taken (the
         group is usable from now on), or why it failed. Answers at once."""
-        groups, joins = self._enginectl_groups(), self._enginectl_joins()
+        groups, joins = _groups(self), _joins(self)
         join = joins.get(name)
         if join is None:
             group = groups.get(name)
@@ -131,11 +129,11 @@ class GroupsMixin:
 
     def enginectl_destroy_group(self, name: str) -> bool:
         """Leave `name`, or give up on its join (dropped when the join ends). Answers at once."""
-        join = self._enginectl_joins().pop(name, None)
+        join = _joins(self).pop(name, None)
         if join is not None:
             join.abandoned = True
             _drop_abandoned(join)
-        group = self._enginectl_groups().pop(name, None)
+        group = _groups(self).pop(name, None)
         if group is None:
             return join is not None
         group.buffers.clear()
@@ -143,26 +141,44 @@ class GroupsMixin:
         del group
         return True
 
-    def _enginectl_broadcast_tensors(self, plan: LoadPlan, channel: Channel) -> Iterator[tuple[str, torch.Tensor]]:
-        """Tensors broadcast by the trainer (group rank 0) for a DISTRIBUTED load, through
-        the update's channel (abort frames, progress flushes, its deadline)."""
-        group = self._enginectl_groups().get(plan.group)
-        if group is None:
-            raise Abort(Cause.GROUP_NOT_FOUND, f"no update group {plan.group!r} on this worker")
 
-        def check() -> None:
-            try:
-                channel.check()
-            except Abort as exc:
-                if exc.cause == Cause.UPDATE_TIMEOUT:  # still receiving: the broadcast is late
-                    raise Abort(Cause.GROUP_TIMEOUT, f"the broadcast did not complete in time: {exc}") from None
-                raise
+def _groups(worker: Any) -> dict[str, Group]:
+    """The groups `worker` joined, by name."""
+    groups: dict[str, Group] | None = getattr(worker, "_enginectl_group_table", None)
+    if groups is None:
+        groups = worker._enginectl_group_table = {}
+    return groups
 
-        return received_broadcast(group, plan.tensors, plan.bucket_bytes, check, channel.flush, channel.deadline)
+
+def _joins(worker: Any) -> dict[str, Join]:
+    """The joins `worker` runs (or ran, not yet asked about), by group name."""
+    joins: dict[str, Join] | None = getattr(worker, "_enginectl_join_table", None)
+    if joins is None:
+        joins = worker._enginectl_join_table = {}
+    return joins
+
+
+def broadcast_tensors(worker: Any, plan: LoadPlan, channel: Channel) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors broadcast by the trainer (group rank 0) for a DISTRIBUTED load or stage, through
+    the update's channel (abort frames, progress flushes, its deadline). Abort GROUP_NOT_FOUND
+    at once, before any tensor, when `worker` is in no group `plan.group`."""
+    group = _groups(worker).get(plan.group)
+    if group is None:
+        raise Abort(Cause.GROUP_NOT_FOUND, f"no update group {plan.group!r} on this worker")
+
+    def check() -> None:
+        try:
+            channel.check()
+        except Abort as exc:
+            if exc.cause == Cause.UPDATE_TIMEOUT:  # still receiving: the broadcast is late
+                raise Abort(Cause.GROUP_TIMEOUT, f"the broadcast did not complete in time: {exc}") from None
+            raise
+
+    return received_broadcast(group, plan.tensors, plan.bucket_bytes, check, channel.flush, channel.deadline)
 
 
 def received_broadcast(
-    group: _Group,
+    group: Group,
     specs: tuple[TensorSpec, ...],
     bucket_bytes: int,
     check: Callable[[], None],
@@ -175,7 +191,7 @@ def received_broadcast(
     tensors are views of. `check` runs between items (it raises Abort to stop), `idle` while
     nothing arrived; a failed receive raises Abort (GROUP_TIMEOUT once `deadline`, wall clock,
     passed or gloo's own timeout ran out, else STREAM_BROKEN). The one receive of enginectl's
-    DISTRIBUTED loads and of its vLLM weight-transfer engine (transfer_engine.py)."""
+    DISTRIBUTED loads and of its vLLM weight-transfer engine (transfer/engine.py)."""
     if group.broken:
         raise Abort(Cause.GROUP_BROKEN, group.broken)
     plan_buckets = buckets.cut([dtypes.nbytes(s.dtype, s.shape) for s in specs], bucket_bytes)
@@ -244,7 +260,7 @@ def _buffer_key(specs: tuple[TensorSpec, ...], bucket: buckets.Bucket) -> Buffer
     return (spec.name, spec.dtype, spec.shape)
 
 
-def _buffers(group: _Group, specs: tuple[TensorSpec, ...], plan_buckets: list[buckets.Bucket]) -> list[torch.Tensor]:
+def _buffers(group: Group, specs: tuple[TensorSpec, ...], plan_buckets: list[buckets.Bucket]) -> list[torch.Tensor]:
     """The receive buffer of every bucket, reused across updates (fresh pages are slow to
     fill). Buffers of this layout and of the one before it are kept (a trainer alternating
     two layouts reallocates nothing; a lone tensor's buffer serves both), older ones are
@@ -275,7 +291,16 @@ def aligned(offset: int, dtype: str) -> bool:
     return offset % getattr(torch, dtype).itemsize == 0
 
 
-def _run_join(join: _Join) -> None:
+def start_join(spec: GroupSpec, dp_rank: int, rank: int) -> Join:
+    """Start joining the group `spec` as `rank` on a thread of its own (the one way to join:
+    INIT_GROUP's and the `gloo` transfer engine's); its `outcome` says how it ended."""
+    join = Join(spec, dp_rank, rank)
+    join.thread = threading.Thread(target=_run_join, args=(join,), name=f"enginectl-join-{spec.name}", daemon=True)
+    join.thread.start()
+    return join
+
+
+def _run_join(join: Join) -> None:
     """The join thread: rendezvous, connect, and a first barrier-like broadcast that proves
     every member joined. It only waits and moves bytes (worker/weights/cores.py)."""
     unbind_this_thread()
@@ -296,13 +321,13 @@ def _run_join(join: _Join) -> None:
         )
         join.outcome = GroupJoined(join.dp_rank, join.rank, failure, f"{type(exc).__name__}: {exc}")
         return
-    join.outcome = _Group(spec.name, pg, join.rank, spec.world_size, spec.timeout, device)
+    join.outcome = Group(spec.name, pg, join.rank, spec.world_size, spec.timeout, device)
     _drop_abandoned(join)
 
 
-def _drop_abandoned(join: _Join) -> None:
+def _drop_abandoned(join: Join) -> None:
     """A group joined after the server gave up on it is let go (its connections close)."""
-    if join.abandoned and isinstance(join.outcome, _Group):
+    if join.abandoned and isinstance(join.outcome, Group):
         join.outcome = None
 
 

@@ -5,7 +5,7 @@ Runs inside a vLLM worker, on its RPC thread, within one LOAD worker RPC
 (extension.py `enginectl_load`): that thread maps every handle, hands the tensors to vLLM's
 `reload_weights` through the guarded iterator every source shares, and drops the mappings
 before the RPC answers. No other thread touches them. Nothing is unpickled: the handles are
-the engine contract's `IpcHandle` fields, which the server checked (server/weights/ipc.py).
+the engine contract's `IpcHandle` fields, which the server checked (server/weights/sources/ipc.py).
 
 - CPU: the storage is a POSIX shared-memory segment that torch made
   (`_share_filename_cpu_`); torch keeps a 64-byte header (its reference count) in front of

@@ -10,7 +10,8 @@ of worker/weights/fingerprints.py, "who may touch the weights"):
   that buffer, the update's ZMQ channel (handed over to it, used by no other thread) and,
   for a broadcast, the group's receive thread.
 - The commit is an ordinary LOAD of Source.STAGED on the RPC thread: `reload_weights` over
-  views of the staging buffer, under the weight guard, as every load.
+  views of the staging buffer (`staged_tensors`, read by worker/weights/readers/staged.py),
+  under the weight guard, as every load.
 
 The staging buffer holds the tensors' bytes back to back in plan order (the tensor stream's
 own layout, so its chunks land in place), and is kept for the next stage: fresh pages fill
@@ -48,7 +49,7 @@ from enginectl.contract.engine import (
 )
 from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.cores import unbind_this_thread
-from enginectl.worker.weights.groups import typed_view
+from enginectl.worker.weights.groups import broadcast_tensors, typed_view
 from enginectl.worker.weights.ranks import dp_rank, place
 
 STAGED_SEND_TIMEOUT_MS = 10_000  # the `staged` report waits this long for a slow server
@@ -86,32 +87,22 @@ class StagingState:
 class StagingMixin:
     """Worker RPCs of two-phase updates (see the module docstring)."""
 
-    def _enginectl_staging(self) -> StagingState:
-        state: StagingState | None = getattr(self, "_enginectl_staging_state", None)
-        if state is None:
-            state = self._enginectl_staging_state = StagingState()
-        return state
-
     def enginectl_stage(self, plan_wire: Any) -> Any:
         """Start staging `plan` on a background thread; answers a StageAck at once. The
         thread reports `frames.staged` on the progress channel when it ends."""
         plan = read(LoadPlan, plan_wire)
         where = place(self)
         rank, worker = where.dp_rank, where.worker_rank
-        state = self._enginectl_staging()
+        state = staging_state(self)
         _drop(state, free=False)  # the server keeps one set; a set it lost track of goes
         if state.committed:
-            self._enginectl_release_if_kept(state)
+            release_if_kept(self, state)
         offsets, total = _layout(plan.tensors)
         buffer = _buffer(state, total)
         staged = state.current = Staged(plan.stage_token, plan.source, plan.tensors, offsets, buffer)
         channel = Channel(plan, where)  # from here on used by the staging thread only
         # A broadcast's tensors are received lazily, on the staging thread.
-        source = (
-            self._enginectl_broadcast_tensors(plan, channel)  # type: ignore[attr-defined]
-            if plan.source == Source.DISTRIBUTED
-            else None
-        )
+        source = broadcast_tensors(self, plan, channel) if plan.source == Source.DISTRIBUTED else None
         thread = threading.Thread(
             target=_stage,
             args=(staged, source, plan.files, channel, rank, worker, _fault(state, "report-lost-once")),
@@ -125,7 +116,7 @@ class StagingMixin:
     def enginectl_stage_result(self, token: str) -> Any:
         """How this worker's staging of `token` ended (done False while it still runs)."""
         rank, worker = dp_rank(self), int(self.rank)  # type: ignore[attr-defined]
-        staged = self._enginectl_staging().current
+        staged = staging_state(self).current
         if staged is None or staged.token != token:
             error = LoadError(Cause.LOAD_FAILED, "no staged set of that name on this worker")
             return wire(StageResult(rank, worker, done=True, error=error))
@@ -135,46 +126,50 @@ class StagingMixin:
         """Drop the staged set `token` (a staging thread still running stops at its next
         tensor or chunk); `free` also releases the buffer instead of keeping it for the next
         stage. Answers the bytes the set held (0: no such set)."""
-        state = self._enginectl_staging()
+        state = staging_state(self)
         if state.current is None or state.current.token != token:
             return 0
         return _drop(state, free)
 
-    def _enginectl_staged_tensors(self, plan: LoadPlan) -> Iterator[tuple[str, torch.Tensor]]:
-        """A commit's tensors: views of the staged set `plan.stage_token` (Abort before the
-        first tensor when this worker has no complete set of that name)."""
-        staged = self._enginectl_staging().current
-        if staged is None or staged.token != plan.stage_token:
-            raise Abort(Cause.LOAD_FAILED, "no staged set of that name on this worker")
-        if staged.result is None or not staged.result.done or staged.result.error is not None:
-            raise Abort(Cause.LOAD_FAILED, "the staged set on this worker is not complete")
-        state = self._enginectl_staging()
-        fault = _fault(state, "commit-once")
-        for i, pair in enumerate(staged.views):
-            if fault and i == len(staged.views) // 2:
-                raise RuntimeError(f"injected commit fault ({FAULT_ENV}=commit-once)")
-            yield pair
 
-    def _enginectl_after_commit(self) -> None:
-        """After loading from the staging buffer: the next stage checks, before it reuses the
-        buffer, that the model kept no view of it (`_enginectl_release_if_kept`); not here,
-        where generation is still paused."""
-        self._enginectl_staging().committed = True
+def staging_state(worker: Any) -> StagingState:
+    """`worker`'s staging state (its staged set and kept buffer), made on first use."""
+    state: StagingState | None = getattr(worker, "_enginectl_staging_state", None)
+    if state is None:
+        state = worker._enginectl_staging_state = StagingState()
+    return state
 
-    def _enginectl_release_if_kept(self, state: StagingState) -> None:
-        """If the model kept a view of the staging buffer instead of copying (a loader that
-        assigns `param.data`), the buffer is the model's now and must never be written by a
-        later stage: it is let go of (the model's tensors keep it alive)."""
-        state.committed = False
-        if state.buffer is None:
+
+def staged_tensors(state: StagingState, token: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A commit's tensors: views of the staged set `token` (Abort before the first tensor when
+    this worker has no complete set of that name)."""
+    staged = state.current
+    if staged is None or staged.token != token:
+        raise Abort(Cause.LOAD_FAILED, "no staged set of that name on this worker")
+    if staged.result is None or not staged.result.done or staged.result.error is not None:
+        raise Abort(Cause.LOAD_FAILED, "the staged set on this worker is not complete")
+    fault = _fault(state, "commit-once")
+    for i, pair in enumerate(staged.views):
+        if fault and i == len(staged.views) // 2:
+            raise RuntimeError(f"injected commit fault ({FAULT_ENV}=commit-once)")
+        yield pair
+
+
+def release_if_kept(worker: Any, state: StagingState) -> None:
+    """If the model kept a view of the staging buffer instead of copying (a loader that
+    assigns `param.data`), the buffer is the model's now and must never be written by a
+    later stage: it is let go of (the model's tensors keep it alive). Called on the RPC
+    thread before a buffer a commit loaded from (`state.committed`) is reused."""
+    state.committed = False
+    if state.buffer is None:
+        return
+    start = state.buffer.untyped_storage().data_ptr()
+    end = start + state.buffer.untyped_storage().nbytes()
+    model = worker.model_runner.get_model()
+    for tensor in model.state_dict(keep_vars=True).values():
+        if tensor.device.type == "cpu" and start <= tensor.untyped_storage().data_ptr() < end:
+            state.buffer = None  # the staged set keeps its own reference
             return
-        start = state.buffer.untyped_storage().data_ptr()
-        end = start + state.buffer.untyped_storage().nbytes()
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        for tensor in model.state_dict(keep_vars=True).values():
-            if tensor.device.type == "cpu" and start <= tensor.untyped_storage().data_ptr() < end:
-                state.buffer = None  # the staged set keeps its own reference
-                return
 
 
 def _fault(state: StagingState, name: str) -> bool:
@@ -205,7 +200,7 @@ def _buffer(state: StagingState, size: int) -> torch.Tensor:
 
 def drop_staged(state: StagingState) -> None:
     """Drop the set staged before, keeping the buffer for the next (a transfer round that
-    stages: transfer_steps.py)."""
+    stages: transfer/steps.py)."""
     _drop(state, free=False)
 
 

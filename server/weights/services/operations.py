@@ -1,7 +1,7 @@
 """google.longrunning.Operations servicer: proto <-> OperationStore.
 
 Runs in the `enginectl serve` process, on the control loop. Thin on purpose: the operations
-themselves live in weights/operations.py; errors raised as ControlPlaneError become
+themselves live in weights/update/operations.py; errors raised as ControlPlaneError become
 google.rpc.Status in the interceptor.
 """
 
@@ -16,7 +16,7 @@ from google.protobuf import empty_pb2
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.limits import DEFAULT_WAIT_OPERATION_S, MAX_PAGE_SIZE
 from enginectl.server.servicer_context import ServicerContext
-from enginectl.server.weights.operations import OperationStore
+from enginectl.server.weights.update.operations import OperationStore
 
 
 class OperationsServicer(operations_pb2_grpc.OperationsServicer):

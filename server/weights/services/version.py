@@ -2,7 +2,7 @@
 into WeightUpdates), its answer written by convert.py.
 
 Runs in the `enginectl serve` process, on the control loop, in each RPC's handler. Thin on
-purpose: the rules live in the ledger (weights/ledger.py); errors raised as ControlPlaneError
+purpose: the rules live in the ledger (weights/version/ledger.py); errors raised as ControlPlaneError
 become google.rpc.Status in the interceptor.
 """
 
@@ -15,8 +15,8 @@ import grpc
 from enginectl.server.errors import ControlPlaneError
 from enginectl.server.servicer_context import ServicerContext
 from enginectl.server.weights.convert import weight_version_proto
-from enginectl.server.weights.ledger import LedgerClosed, VersionState, WeightVersionLedger
 from enginectl.server.weights.updates import WeightUpdates
+from enginectl.server.weights.version.ledger import LedgerClosed, VersionState, WeightVersionLedger
 from enginectl.weights.v1 import weight_version_service_pb2 as pb2
 from enginectl.weights.v1 import weight_version_service_pb2_grpc as pb2_grpc
 

@@ -21,7 +21,7 @@ from enginectl.common.host import HostIdentity, host_identity
 from enginectl.contract.engine import SHM_SEGMENT_PATTERN, CudaShare, IpcHandle
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.limits import MAX_IPC_HANDLE_BYTES
-from enginectl.server.weights.disk import TensorInfo
+from enginectl.server.weights.update.plans import TensorInfo
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 SEGMENT = re.compile(SHM_SEGMENT_PATTERN)

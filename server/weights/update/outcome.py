@@ -15,9 +15,9 @@ import grpc
 from enginectl.contract.engine import Cause, LoadResult
 from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.weights.convert import duration, load_results_proto, weight_version_proto
-from enginectl.server.weights.ledger import VersionState
-from enginectl.server.weights.operations import UpdateOperation
-from enginectl.server.weights.plans import UpdatePlan
+from enginectl.server.weights.update.operations import UpdateOperation
+from enginectl.server.weights.update.plans import UpdatePlan
+from enginectl.server.weights.version.ledger import VersionState
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 # Failure causes -> gRPC code of the operation's error.

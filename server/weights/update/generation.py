@@ -24,8 +24,8 @@ from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.limits import MAX_TIMEOUT_S
 from enginectl.server.weights.convert import PAUSE_MODE_PROTO, duration, parse_pause_mode, parse_timeout
 from enginectl.server.weights.engine_protocols import PauseEngine
-from enginectl.server.weights.operations import UpdateOperation
-from enginectl.server.weights.pause_paths import PausePath, UtilityPath, VllmPath
+from enginectl.server.weights.update.operations import UpdateOperation
+from enginectl.server.weights.update.pause_paths import PausePath, UtilityPath, VllmPath
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 log = structlog.get_logger("enginectl.generation")
@@ -56,10 +56,10 @@ class Generation:
         self._on_partial = on_partial
         self.mode = ""  # the mode of the pause in effect ("" when running)
         self.pause_time: float | None = None
-        self.active: UpdateOperation | None = None  # the update running, or last run
+        self._active: UpdateOperation | None = None  # the update running, or last run
         # vLLM's own utilities until `prepare` found enginectl's on every EngineCore.
         self._path: PausePath = VllmPath(engine)
-        self.ranks_at_update_start = [RankGenerationState(r, False) for r in range(ranks)]
+        self._ranks_at_update_start = [RankGenerationState(r, False) for r in range(ranks)]
 
     async def prepare(self) -> None:
         """Once, before serving: choose the pause path. enginectl's utilities answer on every
@@ -100,8 +100,27 @@ class Generation:
             return PauseReason.PARTIAL_UPDATE
         return PauseReason.UPDATE if reason == "update" else PauseReason.CALLER
 
+    @property
+    def active(self) -> UpdateOperation | None:
+        """The update running (or the last one run)."""
+        return self._active
+
+    def update_began(self, op: UpdateOperation) -> None:
+        """`op` holds generation: from here on another update is refused."""
+        self._active = op
+
+    def update_started_from(self, ranks: list[RankGenerationState]) -> None:
+        """The ranks' states when the running update paused them (what `state` reports while
+        the EngineCores are busy loading)."""
+        self._ranks_at_update_start = ranks
+
+    def update_ended(self, op: UpdateOperation) -> None:
+        """`op` ended (or never began: its caller went away before the ledger's lock)."""
+        if self._active is op:
+            self._active = None
+
     def updating(self) -> bool:
-        return self.active is not None and not self.active.done
+        return self._active is not None and not self._active.done
 
     def in_progress(self, why: str) -> ControlPlaneError:
         """UPDATE_IN_PROGRESS, naming the running update."""
@@ -122,7 +141,7 @@ class Generation:
         if self.updating():
             # The EngineCores are busy loading (they answer no utility until done): report
             # what the update started from, paused.
-            ranks = [RankGenerationState(r.dp_rank, True, r.running, r.waiting) for r in self.ranks_at_update_start]
+            ranks = [RankGenerationState(r.dp_rank, True, r.running, r.waiting) for r in self._ranks_at_update_start]
         else:
             ranks = known if known is not None else await self.ranks()
         state = pb2.GenerationState(

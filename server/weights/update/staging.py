@@ -2,9 +2,10 @@
 
 Runs in the `enginectl serve` process, on the control loop. A `stage_only` update
 (docs/weights.md, "Two-phase updates") is validated as any update (plans.py), then:
-- no pause, no ledger lock, the version untouched: every worker starts a staging thread
-  (worker/weights/staging.py) that receives the bytes into host memory while generation goes
-  on, and reports `staged` on the update's progress channel when it ends;
+- no pause, no ledger lock, the version untouched: the update's source (plans.py
+  UpdateSource) receives the bytes while generation goes on: the workers' staging threads
+  into host memory (sources/workers.py, worker/weights/staging.py), or a transfer engine into
+  each worker's staging target (sources/transfer_round.py);
 - the server then reads every worker's StageResult and ends the Operation in phase STAGED
   with the set's name, size, digest and expiry, or fails it (nothing to undo: the model was
   never touched; the workers drop what they received).
@@ -23,20 +24,14 @@ import hashlib
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
-import msgspec
 import structlog
-import zmq.asyncio
 
-from enginectl.contract import frames
-from enginectl.contract.engine import STAGED_DIGEST_METHOD, Cause, StageResult, WorkerLayout
-from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, to_status
-from enginectl.server.limits import RPC_GRACE_S
-from enginectl.server.weights.channels import UpdateChannels
+from enginectl.contract.engine import STAGED_DIGEST_METHOD, Cause, StageResult
+from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.weights.convert import (
     duration,
     fingerprint_proto,
@@ -45,10 +40,10 @@ from enginectl.server.weights.convert import (
     weight_version_proto,
 )
 from enginectl.server.weights.engine_protocols import StagingEngine
-from enginectl.server.weights.ledger import Fingerprint, WeightVersionLedger
-from enginectl.server.weights.operations import ProgressTally, UpdateOperation
-from enginectl.server.weights.outcome import UpdateFailed
-from enginectl.server.weights.plans import UpdatePlan
+from enginectl.server.weights.update.operations import UpdateOperation
+from enginectl.server.weights.update.outcome import UpdateFailed
+from enginectl.server.weights.update.plans import UpdatePlan, UpdateSource
+from enginectl.server.weights.version.ledger import Fingerprint, WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 log = structlog.get_logger("enginectl.staging")
@@ -56,11 +51,7 @@ log = structlog.get_logger("enginectl.staging")
 STAGED_PREFIX = "staged/"
 DEFAULT_TTL_S = 600.0
 REMEMBER_EXPIRED = 16  # names of expired sets kept, so a late commit hears "expired"
-QUIET_S = 2  # a stage whose progress channel is this quiet asks its workers how they are
 EXPIRY_RETRY_S = 1.0  # a set whose TTL passed during its commit expires this long after
-Feed = Callable[[UpdateChannels, UpdateOperation], Awaitable[None]]
-# A transfer engine's round run as a stage: (the set, its Operation, deadline, max bytes).
-Stager = Callable[["StagedSet", UpdateOperation, float, int], Awaitable[None]]
 
 
 @dataclass
@@ -102,9 +93,6 @@ class Staging:
         self,
         engine: StagingEngine,
         ledger: WeightVersionLedger,
-        ctx: zmq.asyncio.Context,
-        directory: Path,
-        layout: WorkerLayout,
         *,
         max_bytes: int,
         ttl: float = DEFAULT_TTL_S,
@@ -112,9 +100,6 @@ class Staging:
     ) -> None:
         self._engine = engine
         self._ledger = ledger
-        self._ctx = ctx
-        self._dir = directory
-        self._layout = layout  # the workers an update's channels address
         self.max_bytes = max_bytes
         self.ttl = ttl
         self._on_bytes = on_bytes  # the staged-bytes gauge
@@ -163,59 +148,22 @@ class Staging:
         self.current = StagedSet(f"{STAGED_PREFIX}{token}", token, op.name, plan)
         return self.current
 
-    async def run(self, staged: StagedSet, op: UpdateOperation, feed: Feed | None, started: float) -> None:
-        """The stage, start to end; every way out finishes the Operation."""
-        plan = staged.plan
-        deadline = time.time() + plan.timeout
-        channels = UpdateChannels(self._ctx, self._dir, staged.token, self._layout)
-        op.on_abort = channels.abort
-        if op.cancel_requested.is_set():
-            channels.abort(Cause.UPDATE_CANCELLED, "CancelOperation before staging began")
-        loop = asyncio.get_running_loop()
-        timer = loop.call_at(
-            loop.time() + plan.timeout,
-            lambda: channels.abort(Cause.UPDATE_TIMEOUT, f"the stage's timeout ({plan.timeout:.3f}s) elapsed"),
-        )
-        feeding: asyncio.Future[None] | None = None
-        try:
-            op.set_phase(pb2.UPDATE_PHASE_RECEIVING)
-            # What the workers receive (a stage plan names no stage token), kept under the set's.
-            worker_plan = msgspec.structs.replace(plan.worker_plan(channels, deadline), stage_token=staged.token)
-            acks = await self._engine.stage(worker_plan)
-            if feed is not None:
-                feeding = asyncio.ensure_future(feed(channels, op))
-            workers = {(a.dp_rank, a.worker_rank) for rank in acks for a in rank}
-            try:
-                await asyncio.wait_for(
-                    _follow(op, channels, workers, lambda: self._ended(staged.token)),
-                    max(deadline - time.time(), 0) + RPC_GRACE_S,
-                )
-            except asyncio.TimeoutError:
-                raise UpdateFailed(
-                    Cause.UPDATE_TIMEOUT, "a worker never reported the end of its staging", False
-                ) from None
-            await self._settle(staged, op, channels.aborted, started)
-        except Exception as exc:  # noqa: BLE001 - an operation must always end (see _failed)
-            await self._failed(staged, op, exc)
-        finally:
-            timer.cancel()
-            if feeding is not None and not feeding.done():
-                await asyncio.wait({feeding}, timeout=1.0)
-                feeding.cancel()
-            channels.close()
-
-    async def run_round(self, staged: StagedSet, op: UpdateOperation, stager: Stager, started: float) -> None:
-        """The stage of a transfer engine's round (transfer.py `TransferRound.stage`): the
-        round runs its steps, each worker's staging target keeps what arrived, and the set
-        ends as every stage's; every way out finishes the Operation."""
+    async def run(self, staged: StagedSet, op: UpdateOperation, source: UpdateSource, started: float) -> None:
+        """The stage, start to end: the source receives the set (its workers' staging memory,
+        or a transfer engine's staging target), then every worker's StageResult settles it;
+        every way out finishes the Operation."""
         try:
             if op.cancel_requested.is_set():
                 raise UpdateFailed(Cause.UPDATE_CANCELLED, "CancelOperation before staging began", modified=False)
             op.set_phase(pb2.UPDATE_PHASE_RECEIVING)
-            await stager(staged, op, time.time() + staged.plan.timeout, self.max_bytes)
-            await self._settle(staged, op, None, started)
+            plan = staged.plan
+            received = await source.stage(op, plan, staged.token, time.time() + plan.timeout, self.max_bytes)
+            staged.plan = received.plan
+            await self._settle(staged, op, received.aborted, started)
         except Exception as exc:  # noqa: BLE001 - an operation must always end (see _failed)
             await self._failed(staged, op, exc)
+        finally:
+            source.close()
 
     async def _settle(
         self, staged: StagedSet, op: UpdateOperation, aborted: tuple[Cause, str] | None, started: float
@@ -245,10 +193,6 @@ class Staging:
             bytes=plan.bytes_total,
             seconds=round(time.monotonic() - started, 3),
         )
-
-    async def _ended(self, token: str) -> bool:
-        """Every worker's staging of `token` is over (asked directly, not reported)."""
-        return all(r.done for rank in await self._engine.stage_result(token) for r in rank)
 
     def _ready(self, staged: StagedSet, results: list[StageResult]) -> None:
         staged.fingerprint = _fold(results)
@@ -284,8 +228,7 @@ class Staging:
             log.warning("dropping a failed stage on the workers failed", operation=op.name)
         error = failure.error(op.name)
         op.set_phase(pb2.UPDATE_PHASE_FAILED)
-        op.failure = error
-        op.finish(error=to_status(error))
+        op.fail(error)
         log.warning("stage failed", operation=op.name, cause=failure.cause, message=failure.message)
 
     # --- the set -------------------------------------------------------------------------
@@ -393,28 +336,6 @@ def _not_found(name: str) -> ControlPlaneError:
         f"no staged set {name} (never staged, discarded, or committed already)",
         metadata={"name": name},
     )
-
-
-async def _follow(
-    op: UpdateOperation, channels: UpdateChannels, workers: set[tuple[int, int]], ended: Callable[[], Awaitable[bool]]
-) -> None:
-    """Fold the workers' progress into the metadata (weights_modified stays false: nothing
-    is written into the model) until every worker in `workers` reported `staged`, or, when
-    the channel stays quiet for QUIET_S, `ended()` says every worker's staging is over (a
-    report can be lost: a worker gives up sending it after STAGED_SEND_TIMEOUT_MS)."""
-    pending = set(workers)
-    tally = ProgressTally(channels.layout)
-    while pending:
-        if not await channels.progress.poll(QUIET_S * 1000):
-            if await ended():
-                log.warning("staging ended without every worker's report", operation=op.name, missing=len(pending))
-                return
-            continue
-        report = frames.read_report(await channels.progress.recv())
-        if len(report) == 2:
-            pending.discard((report[0], report[1]))
-        else:
-            op.record_progress(tally, *report, writing=False)
 
 
 def _fold(results: list[StageResult]) -> Fingerprint:

@@ -2,9 +2,10 @@
 
 Runs in the `enginectl serve` process, on the control loop, as one task per update
 (WeightUpdates.start makes the run once the update holds the ledger's write lock and starts
-it). A run holds its Operation, plan, channels, pause and timing marks; the long-lived state
-it works with (generation, groups, fingerprints, staging, the ledger) is WeightUpdates', handed
-to it as `RunParts`. Its steps follow docs/architecture.md, "The update state machine":
+it). A run holds its Operation, plan, source, pause and timing marks; the long-lived state
+it works with (generation, fingerprints, staging, the ledger) is WeightUpdates', handed to it
+as `RunParts`. How the weights arrive is the update's source (plans.py UpdateSource): the run
+asks it to load, and finishes with what it answers; no step here asks which source it is. Its steps follow docs/architecture.md, "The update state machine":
 pause (unless paused already), load through the workers, then finish (cache reset, version
 stamp, resume, fingerprint) and record the version, or fail (resume, or hold generation paused
 and leave the version undeclared once writing began). How the engine is paused and an update
@@ -15,31 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
 from enginectl.contract.engine import UNDECLARED_LABEL, Cause, LoadResult, PauseReason
-from enginectl.server.errors import ControlPlaneError, Reason, to_status
-from enginectl.server.limits import RPC_GRACE_S
-from enginectl.server.weights.channels import UpdateChannels
+from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.weights.convert import load_results_proto
 from enginectl.server.weights.engine_protocols import UpdateEngine
-from enginectl.server.weights.fingerprints import WeightFingerprints
-from enginectl.server.weights.generation import Generation
-from enginectl.server.weights.groups import BREAKING_CAUSES, UpdateGroups
-from enginectl.server.weights.ledger import Failure, VersionState, WeightVersionLedger
-from enginectl.server.weights.operations import ProgressTally, UpdateOperation
-from enginectl.server.weights.outcome import UpdateFailed, UpdatePause, report_finished, success_response
-from enginectl.server.weights.plans import UpdatePlan
-from enginectl.server.weights.staging import Feed, Staging
+from enginectl.server.weights.update.generation import Generation
+from enginectl.server.weights.update.operations import UpdateOperation
+from enginectl.server.weights.update.outcome import UpdateFailed, UpdatePause, report_finished, success_response
+from enginectl.server.weights.update.plans import UpdatePlan, UpdateSource
+from enginectl.server.weights.update.staging import Staging
+from enginectl.server.weights.version.fingerprints import WeightFingerprints
+from enginectl.server.weights.version.ledger import Failure, VersionState, WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 log = structlog.get_logger("enginectl.updates")
-
-# A transfer engine's round in place of the workers' LOAD (transfer.py `TransferRound.load`).
-Loader = Callable[["UpdateRun"], Awaitable[list[LoadResult]]]
 
 
 @dataclass(frozen=True)
@@ -49,7 +44,6 @@ class RunParts:
     engine: UpdateEngine
     ledger: WeightVersionLedger
     generation: Generation
-    groups: UpdateGroups
     fingerprints: WeightFingerprints
     staging: Staging
     # (source, result, bytes loaded, seconds) of every update that ends (outcome.report_finished).
@@ -60,69 +54,59 @@ class UpdateRun:
     """One update (not stage_only), holding the ledger's write lock from its start."""
 
     def __init__(
-        self,
-        parts: RunParts,
-        op: UpdateOperation,
-        plan: UpdatePlan,
-        channels: UpdateChannels,
-        lock: asyncio.Lock,
-        feed: Feed | None,
-        loader: Loader | None = None,
+        self, parts: RunParts, op: UpdateOperation, plan: UpdatePlan, source: UpdateSource, lock: asyncio.Lock
     ) -> None:
         self._parts = parts
-        self.op = op
-        self.plan = plan
-        self.channels = channels
+        self._op = op
+        self._plan = plan  # the version a transfer round's finish names replaces the plan's
+        self._source = source  # how the weights arrive, chosen by WeightUpdates.start
         self._lock = lock  # taken by WeightUpdates.start, released once the update is recorded
-        self._feed = feed
-        # Instead of one LOAD on the workers: a transfer engine's round (transfer.py), which may
-        # replace `plan` (the version its finish names).
-        self._loader = loader
-        self.pause = UpdatePause()  # generation as the update found it, and what pausing did
-        self.marks: list[tuple[str, float]] = []  # (step, when it ended): the success log's phases
+        self._pause_state = UpdatePause()  # generation as the update found it, and what pausing did
+        self._marks: list[tuple[str, float]] = []  # (step, when it ended): the success log's phases
         self._cache_reset = False  # the prefix cache was reset at the finish (set there)
         self._started = 0.0  # monotonic, and the deadline (wall clock): set when the run starts
         self._deadline = 0.0
 
     async def run(self) -> None:
         """The update, start to end; every way out finishes the Operation."""
-        gen, op, plan, channels = self._parts.generation, self.op, self.plan, self.channels
+        gen, op, plan, source = self._parts.generation, self._op, self._plan, self._source
         self._started = time.monotonic()
         self._deadline = time.time() + plan.timeout
-        op.on_abort = channels.abort
         holding = True  # the ledger's write lock
         try:
             # The last declaration's full baseline may still be running in slices: it is not
             # waited for. Its slices queue behind this update's load on the engine; the worker
             # answers them "superseded" once the load wrote a weight (the version is then new,
             # or undeclared), and goes on hashing if the update failed before writing.
-            self.pause = await self._pause()
-            self.marks.append(("pause", time.monotonic()))
+            self._pause_state = await self._pause_generation()
+            self._marks.append(("pause", time.monotonic()))
             if op.cancel_requested.is_set():
                 raise UpdateFailed(Cause.UPDATE_CANCELLED, "CancelOperation before loading began", modified=False)
             try:
                 self._parts.ledger.check_etag(plan.etag)
             except ControlPlaneError as exc:
                 raise UpdateFailed(Cause.ETAG_MISMATCH, exc.message, modified=False, metadata=exc.metadata) from None
-            op.set_phase(pb2.UPDATE_PHASE_RECEIVING if self._feed or plan.group else pb2.UPDATE_PHASE_LOADING)
-            results = await (self._loader(self) if self._loader is not None else self._load())
-            self.marks.append(("load", time.monotonic()))
+            op.set_phase(pb2.UPDATE_PHASE_RECEIVING if source.receives else pb2.UPDATE_PHASE_LOADING)
+            loaded = await source.load(op, plan, self._deadline)
+            self._marks.append(("load", time.monotonic()))
+            results = loaded.results
             op.record_results(load_results_proto(results))  # every worker's own account, ok or not
             errors = [(r.error.cause, r.error.message) for r in results if r.error is not None]
             modified = any(r.weights_modified for r in results)
-            if channels.aborted and not errors:
-                errors = [channels.aborted]
+            if loaded.aborted and not errors:
+                errors = [loaded.aborted]
             if errors:
                 cause, message = errors[0]
                 raise UpdateFailed(cause, message, modified=modified)
-            op.metadata.weights_modified = modified
-            resumed = self.pause.resumes and not gen.caller_paused
+            op.record_modified(modified)
+            self._plan = plan = loaded.applied_to(plan)
+            resumed = self._pause_state.resumes and not gen.caller_paused
             op.set_phase(pb2.UPDATE_PHASE_FINGERPRINTING)
             # An update after a partial one (the engine quarantined, generation maybe forced to
             # run over mixed weights) also zeroes the KV cache and always resets the prefix cache.
             recovering = gen.quarantined
             await self._check(recovering)
-            self.marks.append(("check", time.monotonic()))
+            self._marks.append(("check", time.monotonic()))
             self._cache_reset = plan.reset_cache or recovering
             state = await self._finish(resumed, reset_cache=self._cache_reset)
             self._lock.release()
@@ -149,22 +133,15 @@ class UpdateRun:
         finally:
             if holding:
                 self._lock.release()
-            channels.close()
-            self._parts.groups.in_use.discard(plan.group)
+            source.close()
             if plan.stage_token:
                 self._parts.staging.commit_ended(plan.stage_token, op.name)
-            if gen.active is op:
-                gen.active = None
+            gen.update_ended(op)
 
-    @property
-    def deadline(self) -> float:
-        """When the update's timeout runs out (wall clock), from its start."""
-        return self._deadline
-
-    async def _pause(self) -> UpdatePause:
+    async def _pause_generation(self) -> UpdatePause:
         """Pause generation for the update unless it is paused already: (paused by the update,
         requests in flight at the start, seconds the pause took)."""
-        gen, op, plan = self._parts.generation, self.op, self.plan
+        gen, op, plan = self._parts.generation, self._op, self._plan
         pause_started = time.monotonic()
         paused_by_update = False
         if plan.pause_mode != "wait":  # the state read and the pause: one trip where the path can
@@ -173,7 +150,7 @@ class UpdateRun:
             )
         else:
             before = await gen.ranks()
-        gen.ranks_at_update_start = before
+        gen.update_started_from(before)
         in_flight = sum(r.running + r.waiting for r in before)
         if not paused_by_update and not any(r.paused for r in before):  # WAIT, or a two-trip path
             op.set_phase(pb2.UPDATE_PHASE_PAUSING)
@@ -196,40 +173,9 @@ class UpdateRun:
         elif not paused_by_update and gen.partial and not gen.caller_paused:
             # Held paused by an earlier partial update: a success here resumes.
             paused_by_update = True
-        op.metadata.paused_by_update = paused_by_update
+        op.record_paused_by_update(paused_by_update)
         caller_held = not paused_by_update and gen.caller_paused
         return UpdatePause(paused_by_update, in_flight, time.monotonic() - pause_started, caller_held)
-
-    async def _load(self) -> list[LoadResult]:
-        """Every worker of every rank loads; the timeout and the feed (a tensor stream's bytes)
-        run beside the load, the progress reports go into the Operation's metadata."""
-        op, plan, channels = self.op, self.plan, self.channels
-        worker_plan = plan.worker_plan(channels, self._deadline)
-        load = asyncio.ensure_future(self._parts.engine.load(worker_plan, timeout=plan.timeout + RPC_GRACE_S))
-        progress = asyncio.ensure_future(op.follow_progress(ProgressTally(channels.layout), channels.next_progress))
-        loop = asyncio.get_running_loop()
-        timer = loop.call_at(
-            loop.time() + max(self._deadline - time.time(), 0.0),
-            lambda: channels.abort(Cause.UPDATE_TIMEOUT, f"the update's timeout ({plan.timeout:.3f}s) elapsed"),
-        )
-        feeding = asyncio.ensure_future(self._feed(channels, op)) if self._feed is not None else None
-        try:
-            try:
-                results = await load
-            except ControlPlaneError as exc:
-                if exc.reason != Reason.WORKER_TIMEOUT:
-                    raise
-                # A worker was still loading when the call's timeout passed: whatever it wrote
-                # is unknown, so the weights count as mixed (docs/architecture.md).
-                raise UpdateFailed(Cause.WORKER_TIMEOUT, exc.message, modified=True) from None
-            if feeding is not None:
-                await asyncio.wait({feeding}, timeout=1.0)
-            return results
-        finally:
-            timer.cancel()
-            if feeding is not None and not feeding.done():
-                feeding.cancel()
-            progress.cancel()
 
     async def _check(self, recovering: bool) -> None:
         """Before generation runs on the new weights: every worker's model computes finite
@@ -250,7 +196,7 @@ class UpdateRun:
         if recovering:
             log.info(
                 "kv cache cleared after a partial update",
-                operation=self.op.name,
+                operation=self._op.name,
                 bytes=sum(c.kv_bytes_cleared for c in checks),
                 seconds=round(max((c.seconds for c in checks), default=0.0), 4),
             )
@@ -261,18 +207,20 @@ class UpdateRun:
         and "fingerprint". The declaration's fingerprint (a pass over the weights) follows the
         finishing trip, generation running: no update can change the weights before this one
         is recorded."""
-        plan, parts = self.plan, self._parts
+        plan, parts = self._plan, self._parts
         # No version: the new weights are undeclared, and so are the tokens they generate.
         label = plan.version if plan.version is not None else UNDECLARED_LABEL
         published = await parts.generation.path.finish(reset_cache, label, resume)
-        self.marks.append(("finish", time.monotonic()))
+        self._marks.append(("finish", time.monotonic()))
         fingerprint = await parts.fingerprints.declaration() if plan.version is not None else None
-        self.marks.append(("fingerprint", time.monotonic()))
+        self._marks.append(("fingerprint", time.monotonic()))
         return await parts.ledger.record_update(plan.version, plan.source, fingerprint, published=published)
 
     def _succeeded(self, state: VersionState, results: list[LoadResult], resumed: bool) -> None:
-        op, plan, started = self.op, self.plan, self._started
-        op.finish(response=success_response(plan, state, results, started, self.pause, resumed, self._cache_reset))
+        op, plan, started = self._op, self._plan, self._started
+        op.finish(
+            response=success_response(plan, state, results, started, self._pause_state, resumed, self._cache_reset)
+        )
         report_finished(self._parts.on_finished, op, plan, "ok", sum(r.bytes_loaded for r in results))
         log.info(
             "weights updated",
@@ -287,16 +235,16 @@ class UpdateRun:
             # the declaration's fingerprint, taken after generation resumed.
             phases_ms={
                 name: round((at - before) * 1e3, 1)
-                for (name, at), before in zip(self.marks, [started] + [at for _, at in self.marks], strict=False)
+                for (name, at), before in zip(self._marks, [started] + [at for _, at in self._marks], strict=False)
             },
         )
 
     async def _fail(self, failure: UpdateFailed) -> None:
-        parts, op, plan = self._parts, self.op, self.plan
+        parts, op, plan = self._parts, self._op, self._plan
         gen = parts.generation
-        paused_by_update = self.pause.resumes
+        paused_by_update = self._pause_state.resumes
         op.set_phase(pb2.UPDATE_PHASE_FAILED)
-        op.metadata.weights_modified = failure.modified
+        op.record_modified(failure.modified)
         if failure.modified:
             await gen.set_partial(True)
             parts.ledger.record_failure(
@@ -326,11 +274,8 @@ class UpdateRun:
                     await gen.path.hold(PauseReason.CALLER)
             except ControlPlaneError:
                 log.exception("resuming (or handing the pause over) after a failed update failed", operation=op.name)
-        error = failure.error(op.name)
-        if plan.group and failure.cause in BREAKING_CAUSES:
-            await parts.groups.drop(plan.group)
-        op.failure = error
-        op.finish(error=to_status(error))
+        await self._source.failed(failure.cause)
+        op.fail(failure.error(op.name))
         cancelled = failure.cause == Cause.UPDATE_CANCELLED
         result = "partial" if failure.modified else "cancelled" if cancelled else "failed"
         report_finished(parts.on_finished, op, plan, result, 0)

@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 import grpc
 from google.longrunning import operations_pb2
@@ -19,7 +20,7 @@ from google.protobuf import any_pb2
 from google.rpc import status_pb2
 
 from enginectl.contract.engine import Cause, WorkerLayout
-from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
+from enginectl.server.errors import ControlPlaneError, Reason, invalid_field, to_status
 from enginectl.server.limits import MAX_RETAINED
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
@@ -49,10 +50,16 @@ class ProgressTally:
         return min(r[0] for r in ranks if r), min(r[1] for r in ranks if r)
 
 
+class Stoppable(Protocol):
+    """What an Operation asks of its update's source (update/source.py UpdateSource)."""
+
+    def abort(self, cause: Cause, message: str) -> None: ...
+
+
 class UpdateOperation:
     """One weight update as an Operation; mutated only on the control loop."""
 
-    def __init__(self, name: str, metadata: pb2.UpdateWeightsMetadata) -> None:
+    def __init__(self, name: str, metadata: pb2.UpdateWeightsMetadata, source: Stoppable | None = None) -> None:
         self.name = name
         self.metadata = metadata
         self.response: pb2.UpdateWeightsResponse | None = None
@@ -60,8 +67,9 @@ class UpdateOperation:
         self.finished = asyncio.Event()
         # Set by cancel(); the update checks it before loading.
         self.cancel_requested = asyncio.Event()
-        # Stops the update's workers (set by the update once its channels exist).
-        self.on_abort: Callable[[Cause, str], None] | None = None
+        # How the update's weights arrive, chosen once when the update started: it stops them
+        # (None: an Operation with nothing to stop, as a test builds one).
+        self._source = source
         # The error as raised, for calls that end with it (the tensor stream).
         self.failure: ControlPlaneError | None = None
 
@@ -74,8 +82,24 @@ class UpdateOperation:
         if self.done:
             return
         self.cancel_requested.set()
-        if self.on_abort is not None:
-            self.on_abort(Cause.UPDATE_CANCELLED, "CancelOperation")
+        self.abort(Cause.UPDATE_CANCELLED, "CancelOperation")
+
+    def abort(self, cause: Cause, message: str) -> None:
+        """Stop the update if it still runs (a broken stream): its source stops the workers."""
+        if not self.done and self._source is not None:
+            self._source.abort(cause, message)
+
+    def record_modified(self, modified: bool) -> None:
+        """Whether the update wrote into the model (as the update's outcome knows it)."""
+        self.metadata.weights_modified = modified
+
+    def record_paused_by_update(self, paused: bool) -> None:
+        self.metadata.paused_by_update = paused
+
+    def record_done(self, tensors: int, nbytes: int) -> None:
+        """The tensors and bytes the update has moved so far (a transfer round's batches)."""
+        self.metadata.tensors_done, self.metadata.bytes_done = tensors, nbytes
+        self.touch()
 
     def touch(self) -> None:
         self.metadata.update_time.FromNanoseconds(time.time_ns())
@@ -136,6 +160,11 @@ class UpdateOperation:
             del progress.workers[:]
             progress.workers.extend(result.workers)
         self.touch()
+
+    def fail(self, error: ControlPlaneError) -> None:
+        """End with `error` (kept as raised for the calls that end with it)."""
+        self.failure = error
+        self.finish(error=to_status(error))
 
     def finish(
         self, *, response: pb2.UpdateWeightsResponse | None = None, error: status_pb2.Status | None = None

@@ -9,9 +9,9 @@ thread that touches the weights (docs/architecture.md, "Processes and threads").
 thread and the receiving thread move bytes only.
 
 It is the same transport as enginectl's own broadcast updates, not a second one: the group is
-joined as `INIT_GROUP` joins one (groups.py: its own TCPStore and PrefixStore, a probe
-broadcast), and tensors arrive through the one receive of a DISTRIBUTED load
-(`received_broadcast`: buckets cut by common/buckets.py, reused receive buffers, the next
+joined as `INIT_GROUP` joins one (worker/weights/groups.py `start_join`: its own TCPStore and
+PrefixStore, a probe broadcast), and tensors arrive through the one receive of a DISTRIBUTED
+load (`received_broadcast`: buckets cut by common/buckets.py, reused receive buffers, the next
 bucket received while this one loads). The trainer's side is
 enginectl.client.transfer_engine (docs/weights.md, "vLLM's weight-transfer engines").
 
@@ -26,7 +26,6 @@ round that fails before its finish leaves the weights untouched.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +39,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from enginectl.common import dtypes, gloo_transfer
 from enginectl.contract.engine import GLOO_TRANSFER_BACKEND, Backend, GroupSpec, TensorSpec
-from enginectl.worker.weights.groups import _Group, _Join, _run_join, received_broadcast
-from enginectl.worker.weights.transfer_staging import StagingTarget
+from enginectl.worker.weights.groups import Group, received_broadcast, start_join
+from enginectl.worker.weights.transfer.staging_target import StagingTarget
 
 BACKEND = GLOO_TRANSFER_BACKEND  # the name in vLLM's factory, and in --weight-transfer-config
 DEFAULT_GROUP = gloo_transfer.DEFAULT_TRANSFER_GROUP
@@ -118,7 +117,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.group: _Group | None = None
+        self.group: Group | None = None
         self._received: list[tuple[str, torch.Tensor]] = []  # this round's tensors, not loaded yet
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
@@ -136,12 +135,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             Backend.GLOO,
         )
         rank = init_info.rank_offset + _global_rank(self.parallel_config)
-        join = _Join(spec, self.parallel_config.data_parallel_index, rank)
-        join.thread = threading.Thread(target=_run_join, args=(join,), name=f"enginectl-join-{spec.name}", daemon=True)
-        join.thread.start()
-        join.thread.join(spec.timeout + JOIN_MARGIN_S)
-        outcome = join.outcome
-        if not isinstance(outcome, _Group):
+        join = start_join(spec, self.parallel_config.data_parallel_index, rank)
+        outcome = join.wait(spec.timeout + JOIN_MARGIN_S)
+        if not isinstance(outcome, Group):
             join.abandoned = True  # a join that ends later is let go
             message = outcome.message if outcome is not None else "the rendezvous did not end in time"
             raise TimeoutError(f"joining group {spec.name!r} as rank {rank} failed: {message}")
@@ -168,7 +164,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def finish_weight_update(self) -> None:
         """Apply every tensor of the round in one in-memory reload (vLLM's layerwise reload:
         on the CPU build that is what repacks the linear layers); or, when the round's target
-        is a StagingTarget (`set_weight_update_target`: a stage, transfer_staging.py), copy
+        is a StagingTarget (`set_weight_update_target`: a stage, staging_target.py), copy
         them into the staging buffer."""
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
@@ -181,7 +177,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         reload_weights(self.vllm_config, self.model, received, None, is_checkpoint_format=True)
 
     def abort_weight_update(self) -> None:
-        """Drop the round's received tensors (enginectl's ABORT step: worker/weights/transfer_steps.py)."""
+        """Drop the round's received tensors (enginectl's ABORT step: worker/weights/transfer/steps.py)."""
         self._received = []
 
     def update_weights(self, update_info: dict[str, Any]) -> None:

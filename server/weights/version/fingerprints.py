@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from enginectl.contract.engine import DigestJob, DigestSlice, WorkerDigest
 from enginectl.server.weights.engine_protocols import FingerprintEngine
-from enginectl.server.weights.ledger import Fingerprint, VersionState
+from enginectl.server.weights.version.ledger import Fingerprint, VersionState
 from enginectl.weights.v1 import weight_version_service_pb2 as wvs_pb2
 
 

@@ -5,10 +5,10 @@ Runs inside every vLLM worker process. vLLM's weight-transfer engines write into
 round (vLLM does it for a draft model) and `reset_weight_update_target` points back. A round
 started with `stage_only` (server/weights/transfer.py) points it at a StagingTarget: the
 engine's `load_weights(weights)` copies each tensor into this worker's staging buffer (the one
-two-phase updates keep and reuse: staging.py), the model is never touched, and generation goes
-on between the round's steps. After the engine's finish, `complete` makes the buffer this
-worker's staged set, digested like every staged set; CommitStagedWeights then loads it as any
-commit does.
+two-phase updates keep and reuse: worker/weights/staging.py), the model is never touched, and
+generation goes on between the round's steps. After the engine's finish, `complete` makes the
+buffer this worker's staged set, digested like every staged set; CommitStagedWeights then
+loads it as any commit does.
 
 Threads: every call comes from the worker's RPC thread, inside one TRANSFER step (the
 engine's `finish_weight_update` for enginectl's `gloo` engine, which delivers the round at

@@ -14,29 +14,17 @@ import os
 import stat
 import struct
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import grpc
 
-from enginectl.common import dtypes
 from enginectl.common.safetensors_header import HeaderError, parse_header
 from enginectl.server.errors import ControlPlaneError, FieldViolation, Reason, invalid_field
 from enginectl.server.limits import MAX_HEADER_BYTES, MAX_INDEX_BYTES, MAX_PATH_BYTES, MAX_SHAPE_RANK
+from enginectl.server.weights.update.plans import TensorInfo
 
 INDEX_SUFFIX = ".safetensors.index.json"
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return dtypes.nbytes(self.dtype, self.shape)
 
 
 def unsupported(message: str) -> ControlPlaneError:

@@ -19,8 +19,8 @@ import grpc
 from enginectl.contract.engine import Cause
 from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.limits import MAX_CHUNK_BYTES
-from enginectl.server.weights.channels import UpdateChannels
-from enginectl.server.weights.operations import OperationStore, UpdateOperation
+from enginectl.server.weights.sources.channels import UpdateChannels
+from enginectl.server.weights.update.operations import OperationStore, UpdateOperation
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 Messages = AsyncIterator[pb2.UpdateWeightsFromTensorsRequest]

@@ -24,8 +24,8 @@ from typing import Any
 from enginectl.contract.engine import TransferAnswer, TransferStep, wire
 from enginectl.worker.weights.fingerprints import weight_access
 from enginectl.worker.weights.ranks import dp_rank
-from enginectl.worker.weights.staging import drop_staged
-from enginectl.worker.weights.transfer_staging import StagingTarget
+from enginectl.worker.weights.staging import drop_staged, release_if_kept, staging_state
+from enginectl.worker.weights.transfer.staging_target import StagingTarget
 
 
 class TransferMixin:
@@ -77,16 +77,16 @@ TARGET = "_enginectl_transfer_target"  # the worker's StagingTarget while a stag
 
 def _stage_into_target(worker: Any, token: str) -> None:
     """A round that stages: the engine's target is a StagingTarget over the worker's staging
-    buffer (worker/weights/transfer_staging.py), until vLLM's finish, or a failed batch,
+    buffer (worker/weights/transfer/staging_target.py), until vLLM's finish, or a failed batch,
     resets it. The set staged before is dropped (the server keeps one); a buffer the model
     kept a view of after a commit is let go of first."""
     engine = getattr(worker, "weight_transfer_engine", None)
     if engine is None:
         return  # start_weight_update says so
-    state = worker._enginectl_staging()
+    state = staging_state(worker)
     drop_staged(state)
     if state.committed:
-        worker._enginectl_release_if_kept(state)
+        release_if_kept(worker, state)
     target = StagingTarget(state, token, dp_rank(worker), int(worker.rank))
     engine.set_weight_update_target(target, engine.model_config)
     setattr(worker, TARGET, target)

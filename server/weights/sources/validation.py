@@ -1,26 +1,22 @@
-"""UpdatePlan and its validation: everything an update request is checked for before the
-model is touched.
+"""UpdateValidator: everything an update request is checked for before the model is touched.
 
 Runs in the `enginectl serve` process, on the control loop. Names, shapes and dtypes are
 checked against the served checkpoint's safetensors headers; files against the allowed roots
-and their own headers; the group, version, etag, request id, pause mode and timeout against
-their bounds (server/limits.py); an IPC update's host and handles in ipc.py. A plan that
-passes is what the update runs.
+and their own headers (disk.py); the group (groups.py), version, etag, request id, pause mode
+and timeout against their bounds (server/limits.py); an IPC update's host and handles in
+ipc.py. A request that passes becomes the UpdatePlan (update/plans.py) its update runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 
 from enginectl.common import dtypes
 from enginectl.common.buckets import MAX_BUCKET_BYTES
 from enginectl.common.vocabulary import WeightSource
-from enginectl.contract.engine import IpcHandle, LoadPlan, Source, TensorSpec
 from enginectl.server.errors import ControlPlaneError, FieldViolation, Reason, invalid_field
 from enginectl.server.limits import (
     MAX_SHAPE_RANK,
@@ -29,73 +25,13 @@ from enginectl.server.limits import (
     MAX_TENSORS,
     MAX_VIOLATIONS,
 )
-from enginectl.server.weights.channels import UpdateChannels
 from enginectl.server.weights.convert import parse_pause_mode, parse_timeout
-from enginectl.server.weights.disk import TensorInfo, read_header, resolve_checkpoint
-from enginectl.server.weights.groups import UpdateGroups, check_group_name
-from enginectl.server.weights.ipc import check_host, ipc_handles
-from enginectl.server.weights.ledger import WeightVersionLedger
+from enginectl.server.weights.sources.disk import read_header, resolve_checkpoint
+from enginectl.server.weights.sources.groups import UpdateGroups, check_group_name
+from enginectl.server.weights.sources.ipc import check_host, ipc_handles
+from enginectl.server.weights.update.plans import TensorInfo, UpdatePlan
+from enginectl.server.weights.version.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
-
-
-@dataclass
-class UpdatePlan:
-    """A validated update, before anything was touched."""
-
-    source: WeightSource
-    tensors: list[TensorInfo]
-    files: list[Path]
-    group: str
-    version: str | None
-    etag: str
-    request_id: str
-    pause_mode: str
-    reset_cache: bool
-    timeout: float
-    bucket_bytes: int = 0  # DISTRIBUTED: one broadcast per bucket (common/buckets.py); 0 per tensor
-    handles: tuple[IpcHandle, ...] = ()  # IPC: one per tensor (ipc.py)
-    stage_only: bool = False  # receive into the staging area; CommitStagedWeights applies it
-    stage_token: str = ""  # a commit: load the set the workers staged under this token
-
-    @property
-    def bytes_total(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-    def specs(self) -> tuple[TensorSpec, ...]:
-        return tuple(TensorSpec(t.name, t.dtype, t.shape) for t in self.tensors)
-
-    def worker_plan(self, channels: UpdateChannels, deadline: float) -> LoadPlan:
-        """What every worker is asked to load, through `channels` (a commit: from the staged
-        set `stage_token`)."""
-        return LoadPlan(
-            source=Source.STAGED if self.stage_token else Source.of(self.source),
-            files=tuple(str(f) for f in self.files),
-            tensors=self.specs(),
-            group=self.group,
-            data_endpoints=channels.data_endpoints,
-            progress_endpoint=channels.progress_endpoint,
-            deadline=deadline,
-            bucket_bytes=self.bucket_bytes,
-            handles=self.handles,
-            stage_token=self.stage_token,
-        )
-
-    def key(self) -> tuple[Any, ...]:
-        """What makes two requests with one request_id the same request."""
-        return (
-            self.source,
-            tuple(self.tensors),
-            tuple(self.files),
-            self.group,
-            self.version,
-            self.etag,
-            self.pause_mode,
-            self.reset_cache,
-            self.bucket_bytes,
-            self.handles,
-            self.stage_only,
-            self.stage_token,
-        )
 
 
 class UpdateValidator:

@@ -26,7 +26,7 @@ from enginectl.server.limits import (
 )
 from enginectl.server.weights.convert import parse_timeout
 from enginectl.server.weights.engine_protocols import GroupEngine
-from enginectl.server.weights.ipc import ipc_available
+from enginectl.server.weights.sources.ipc import ipc_available
 from enginectl.server.worker_calls import RankOutcome
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
