@@ -17,6 +17,7 @@ from typing import Any, Self, TypedDict, Unpack
 import grpc
 from google.protobuf import duration_pb2
 from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from enginectl.client._sync import LoopOwner, blocking, streaming
 from enginectl.client.errors import from_rpc_error
@@ -164,6 +165,7 @@ class AsyncClient:
         self.connection = Connection(self.config)
         self._versions = wv_grpc.WeightVersionServiceStub(self.connection.channel)
         self._identity = id_grpc.FpmIdentityServiceStub(self.connection.channel)
+        self._health = health_pb2_grpc.HealthStub(self.connection.channel)
 
     async def __aenter__(self) -> Self:
         return self
@@ -174,6 +176,14 @@ class AsyncClient:
     async def close(self) -> None:
         """Close the channel (calls in flight end with CANCELLED)."""
         await self.connection.close()
+
+    async def serving(self, service: str = "", *, timeout: float | None = None) -> bool:
+        """gRPC health (`grpc.health.v1.Health/Check`) of `service` ("" the whole server):
+        SERVING, or not (quarantined after a partial update, draining, the engine dead)."""
+        response = await self.connection.unary(
+            self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout
+        )
+        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def get_weight_version(self, *, timeout: float | None = None) -> WeightVersion:
         """The WeightVersion resource (no engine round trip on the server)."""
@@ -267,6 +277,7 @@ class Client(LoopOwner[AsyncClient]):
         """The async client this one fronts (made on the loop, where its channel lives)."""
         return AsyncClient(target, **config)
 
+    serving = blocking(AsyncClient.serving)
     get_weight_version = blocking(AsyncClient.get_weight_version)
     set_weight_version = blocking(AsyncClient.set_weight_version)
     watch_weight_version = streaming(AsyncClient.watch_weight_version)

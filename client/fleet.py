@@ -32,11 +32,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Unpack
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from enginectl.client._sync import LoopOwner, blocking, forwarded
 from enginectl.client.client import ChannelOptions
-from enginectl.client.errors import EnginectlError, Reason, from_rpc_error
+from enginectl.client.errors import EnginectlError, Reason
 from enginectl.client.fleet_servers import FleetServers
 from enginectl.client.fleet_transfer import FleetTransfer
 from enginectl.client.fleet_types import (
@@ -52,12 +51,11 @@ from enginectl.client.fleet_types import (
 )
 from enginectl.client.planner import Planner, PlannerThread, RankState, latest_ranks
 from enginectl.client.trainer import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, AsyncTrainerClient
-from enginectl.client.trainer_requests import GRACE_S, duration
+from enginectl.client.trainer_requests import duration
 from enginectl.client.trainer_tensors import BroadcastGroup, TensorSource, named_tensors, tensor_spec
 from enginectl.client.trainer_types import StagedWeights, UpdateOperation, UpdateResult, Verification
 from enginectl.common.buckets import cut
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
-from enginectl.weights.v1 import weight_update_service_pb2_grpc as pb2_grpc
 
 FLEET_GROUP = "enginectl-fleet"
 MODES = ("strict", "loose")
@@ -79,8 +77,6 @@ class AsyncFleet:
         self.targets = self._servers.targets
         self.clients = self._servers.clients
         # The fleet's own calls (health, a fleet-wide group), on each client's connection.
-        self._updates = {t: pb2_grpc.WeightUpdateServiceStub(c.connection.channel) for t, c in self.clients.items()}
-        self._health = {t: health_pb2_grpc.HealthStub(c.connection.channel) for t, c in self.clients.items()}
         self.last_commit: FleetCommit | None = None
         self._group: BroadcastGroup | None = None
         # The transfer rounds' bounds, per server (None: the server's defaults): the whole
@@ -117,11 +113,9 @@ class AsyncFleet:
             latest = await asyncio.to_thread(latest_ranks, planner)
 
         async def read(target: str, client: AsyncTrainerClient) -> ServerStatus:
-            request = health_pb2.HealthCheckRequest(service="")
-            checked = await self._health[target].Check(request, timeout=client.config.timeout)
+            serving = await client.serving(timeout=client.config.timeout)
             version, generation = await asyncio.gather(client.get_weight_version(), client.generation_state())
             ranks = tuple(RankStatus(r.dp_rank, r.worker_id, r.age_s) for r in latest if r.endpoint == target)
-            serving = checked.status == health_pb2.HealthCheckResponse.SERVING
             return ServerStatus(target, serving, version, generation, ranks)
 
         async def guarded(target: str, client: AsyncTrainerClient) -> ServerStatus:
@@ -129,8 +123,6 @@ class AsyncFleet:
                 return await read(target, client)
             except EnginectlError as err:
                 return ServerStatus(target, False, error=err)
-            except grpc.aio.AioRpcError as err:  # the health call is not one of the client's
-                return ServerStatus(target, False, error=from_rpc_error(err))
 
         answers = await asyncio.gather(*(guarded(t, c) for t, c in self.clients.items()))
         return FleetStatus({s.target: s for s in answers})
@@ -184,10 +176,7 @@ class AsyncFleet:
         )
 
         async def join(target: str, client: AsyncTrainerClient) -> Any:
-            request = group.join_request(master_address, offsets[target])
-            return await client.connection.unary(
-                self._updates[target].InitWeightsUpdateGroup, request, timeout + GRACE_S
-            )
+            return await client.join_update_group(group, master_address, offsets[target], timeout)
 
         joining = asyncio.ensure_future(asyncio.to_thread(group.join))
         joined = await self._servers.each(join)
@@ -226,8 +215,7 @@ class AsyncFleet:
             request.timeout.CopyFrom(duration(timeout))
 
         async def start(target: str, client: AsyncTrainerClient) -> UpdateOperation:
-            started = await client.connection.unary(self._updates[target].UpdateWeightsFromDistributed, request, None)
-            return UpdateOperation.from_proto(started)
+            return await client.start_distributed_update(request)
 
         etags = await self._servers.etags()
         started = await self._servers.each(start)

@@ -307,6 +307,9 @@ class AsyncTrainerClient(AsyncClient):
     destroy_weights_update_group = _forwarded(lambda t: t._broadcasts, BroadcastUpdates.destroy_weights_update_group)
     start_broadcast = _forwarded(lambda t: t._broadcasts, BroadcastUpdates.start_broadcast)
     broadcast_weights = _forwarded(lambda t: t._broadcasts, BroadcastUpdates.broadcast_weights)
+    # A group this process hosts for many servers (a Fleet's): each server joins, then updates.
+    join_update_group = _forwarded(lambda t: t._broadcasts, BroadcastUpdates.join_server)
+    start_distributed_update = _forwarded(lambda t: t._broadcasts, BroadcastUpdates.start_distributed)
 
     # --- two-phase updates (trainer_staging.py) -----------------------------------------
 

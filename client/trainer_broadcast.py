@@ -181,11 +181,8 @@ class BroadcastUpdates:
         group = await asyncio.to_thread(
             BroadcastGroup.host, group_name, backend, master_address, master_port, world_size, timeout
         )
-        request = group.join_request(master_address, rank_offset)
         joining = asyncio.ensure_future(asyncio.to_thread(group.join))
-        calling = asyncio.ensure_future(
-            self._connection.unary(self._stub.InitWeightsUpdateGroup, request, timeout + GRACE_S)
-        )
+        calling = asyncio.ensure_future(self.join_server(group, master_address, rank_offset, timeout))
         await asyncio.wait({joining, calling}, return_when=asyncio.FIRST_EXCEPTION)
         if calling.done() and calling.exception() is not None or joining.done() and joining.exception() is not None:
             # The server's answer says best what went wrong; a join left blocked ends at its timeout.
@@ -193,12 +190,35 @@ class BroadcastUpdates:
             group.close()
             await calling  # raises the server's error if it has one
             await joining
-        response = await calling
+        joined = await calling
         await joining
         self._groups[group_name] = group
+        return joined
+
+    async def join_server(
+        self, group: BroadcastGroup, master_address: str, rank_offset: int, timeout: float
+    ) -> WeightsUpdateGroup:
+        """InitWeightsUpdateGroup: the server's workers join `group`, which this process hosts
+        (its own, or a fleet's spanning many servers), as ranks rank_offset..; answers once
+        they joined. The caller runs the group's own join (`group.join`) beside it."""
+        request = group.join_request(master_address, rank_offset)
+        response = await self._connection.unary(self._stub.InitWeightsUpdateGroup, request, timeout + GRACE_S)
         g = response.group
         return WeightsUpdateGroup(
-            g.group_name, backend, g.master_address, g.master_port, g.world_size, g.rank_offset, g.num_engine_ranks
+            g.group_name,
+            group.backend,
+            g.master_address,
+            g.master_port,
+            g.world_size,
+            g.rank_offset,
+            g.num_engine_ranks,
+        )
+
+    async def start_distributed(self, request: pb2.UpdateWeightsFromDistributedRequest) -> UpdateOperation:
+        """UpdateWeightsFromDistributed as `request` says, through a group this helper does not
+        hold (a fleet's): the update started, waiting for the broadcast."""
+        return UpdateOperation.from_proto(
+            await self._connection.unary(self._stub.UpdateWeightsFromDistributed, request, None)
         )
 
     async def destroy_weights_update_group(
@@ -271,8 +291,7 @@ class BroadcastUpdates:
                 group_name=group_name, tensors=[tensor_spec(n, t) for n, t in named], bucket_bytes=bucket_bytes
             )
         )
-        started = await self._connection.unary(self._stub.UpdateWeightsFromDistributed, request, None)
-        op = UpdateOperation.from_proto(started)
+        op = await self.start_distributed(request)
         return AsyncBroadcast(self._client, group, op, [t for _, t in named], options, progress, bucket_bytes)
 
     async def run(

@@ -20,7 +20,7 @@ trainer written against vLLM's own API drives an engine served with
 
 The group and the broadcast are enginectl's own (client/trainer_tensors.py `BroadcastGroup`:
 rank 0 hosts the TCPStore, tensors go in buckets cut by common/buckets.py, packed into one
-reused buffer); the workers' side is worker/weights/transfer_engine.py, and the names both
+reused buffer); the workers' side is worker/weights/transfer/engine.py, and the names both
 sides agree on (the engine's name, the default group, the join margin) are defined once, in
 common/gloo_transfer.py (docs/weights.md, "vLLM's weight-transfer engines").
 
