@@ -115,6 +115,10 @@ class Reason:
     # After a load, a layer of the model computes NaN or infinity (docs/weights.md,
     # "Recovery after a partial update"): the weights are not served.
     WEIGHTS_NOT_FINITE = "WEIGHTS_NOT_FINITE"
+    # After a load, a layer does not compute with what the load wrote into it (written only in
+    # part, or its kernel built from other bytes; docs/weights.md, "The check after every
+    # load"): the weights are not served.
+    WEIGHTS_MISMATCH = "WEIGHTS_MISMATCH"
     STAGE_UNSUPPORTED = "STAGE_UNSUPPORTED"  # stage_only through an engine that can not stage
 
 

@@ -163,6 +163,7 @@ class Cause(str, enum.Enum):
     TRANSFER_STEP_TIMEOUT = Reason.TRANSFER_STEP_TIMEOUT  # the trainer's next step did not come
     TRANSFER_FAILED = Reason.TRANSFER_FAILED  # a transfer engine failed a batch or the finish
     WEIGHTS_NOT_FINITE = Reason.WEIGHTS_NOT_FINITE  # a layer computes NaN or infinity after the load
+    WEIGHTS_MISMATCH = Reason.WEIGHTS_MISMATCH  # a layer does not compute with what the load wrote
 
 
 class RankFailure(str, enum.Enum):
@@ -328,14 +329,19 @@ class LoadResult(msgspec.Struct, frozen=True):
 
 
 class LoadCheck(msgspec.Struct, frozen=True):
-    """One worker's answer to CHECK_LOADED: how long it took, the KV-cache bytes it zeroed, and
-    the first tensor or layer that computes a non-finite value ("" when none does)."""
+    """One worker's answer to CHECK_LOADED: how long it took, the KV-cache bytes it zeroed, the
+    first tensor or layer that computes a non-finite value ("" when none does), and else the
+    first layer that does not compute with what the loads wrote into it, and why."""
 
     dp_rank: int
     worker_rank: int
     seconds: float
     kv_bytes_cleared: int = 0
     not_finite: str = ""
+    mismatch_layer: str = ""
+    mismatch: str = ""
+    # Kernels rebuilt from a weight the load wrote through another layer (a tied LM head).
+    rebuilt: tuple[str, ...] = ()
 
 
 # --- staging (WorkerRpc.STAGE, STAGE_RESULT, DISCARD_STAGED) -------------------------------

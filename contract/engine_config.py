@@ -23,6 +23,9 @@ from enginectl.contract.engine import read, wire
 # hashes `additional_config` into its compile-cache key and these values change every start.
 CONFIG_KEY: Final = "enginectl"
 ENGINE_CONFIG_ENV: Final = "ENGINECTL_ENGINE_CONFIG"
+# "full": finite values computed with the bytes each load wrote (worker/weights/written.py);
+# "finite": finite values only.
+LOAD_CHECKS: Final = ("full", "finite")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -33,6 +36,8 @@ class EngineConfig(msgspec.Struct, frozen=True, omit_defaults=True):
     await_worker_id: bool = False  # serving waits for SetWorkerIdentity
     heartbeat_interval_s: float = 0.0  # 0: the publisher's default
     incarnation: str = ""  # this start of the server; "" lets the publisher pick one
+    # What every worker checks after a load (LOAD_CHECKS; worker/weights/checks.py).
+    load_check: str = "full"
 
     def to_env(self) -> None:
         """Hand this config to EngineCores started from now on (they inherit the environment)."""

@@ -65,6 +65,7 @@ class UpdateConfig:
     allow_weights_from: tuple[Path, ...]
     max_staged_bytes: int | None  # None: the served model's size
     staged_ttl: float
+    load_check: str = "full"  # --load-check: "full" or "finite" (docs/weights.md)
 
     def allowed_roots(self, model: str) -> list[Path]:
         """Where UpdateWeightsFromDisk may load from: the flags' directories, or the one

@@ -24,6 +24,7 @@ import structlog
 
 from enginectl.common.gateway import advertise_host
 from enginectl.contract.engine import GLOO_TRANSFER_BACKEND
+from enginectl.contract.engine_config import LOAD_CHECKS
 from enginectl.server.config import (
     FpmRelayConfig,
     GatewayConfig,
@@ -222,6 +223,15 @@ def _add_weight_update_args(group: argparse._ArgumentGroup) -> None:
         metavar="SECONDS",
         help=f"A staged set not committed or discarded within this long is dropped (default {DEFAULT_TTL_S:.0f}).",
     )
+    group.add_argument(
+        "--load-check",
+        choices=LOAD_CHECKS,
+        default="full",
+        help="What every worker checks after a load, before generation resumes: 'full' (every layer "
+        "computes finite values with the bytes the load wrote into it) or 'finite' (finite values "
+        "only: for a model whose layers vLLM's reload processes in a way the full check does not "
+        "know). Default full; docs/weights.md, 'The check after every load'.",
+    )
 
 
 def _add_rollout_args(group: argparse._ArgumentGroup) -> None:
@@ -311,7 +321,9 @@ def take_config(args: argparse.Namespace) -> ServeConfig:
             exit_on_failure=args.identity_sync_failure == "exit",
             heartbeat_interval_s=float(args.fpm_heartbeat_interval),
         ),
-        updates=UpdateConfig(tuple(args.allow_weights_from), args.max_staged_bytes, args.staged_weights_ttl),
+        updates=UpdateConfig(
+            tuple(args.allow_weights_from), args.max_staged_bytes, args.staged_weights_ttl, args.load_check
+        ),
         rollouts=RolloutConfig(
             enabled=bool(args.grpc_rollouts),
             token_guards=bool(args.token_guards_rollouts),

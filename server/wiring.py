@@ -90,6 +90,7 @@ def before_engine(config: ServeConfig, loop: asyncio.AbstractEventLoop, stop: as
         await_worker_id=config.identity.await_worker_id,
         heartbeat_interval_s=config.identity.heartbeat_interval_s,
         incarnation=incarnation,
+        load_check=config.updates.load_check,
     )
     return BeforeEngine(incarnation, prompt_calls, identity, fpm, engine_config)
 

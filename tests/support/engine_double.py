@@ -44,6 +44,7 @@ class LoadScript:
     modified: bool = True
     release: asyncio.Event | None = None
     not_finite: str = ""  # what the check after the load names as computing NaN ("": none)
+    mismatch_layer: str = ""  # what it names as not computing with what was written ("": none)
 
 
 @dataclass
@@ -158,7 +159,9 @@ class EngineDouble:
 
     async def check_loaded(self, clear_kv: bool) -> list[LoadCheck]:
         self.calls.append("check_loaded" + (" clear_kv" if clear_kv else ""))
-        return [LoadCheck(0, 0, 0.0, 1 if clear_kv else 0, self.script.not_finite)]
+        script = self.script
+        why = "its kernel differs from the weight it was written" if script.mismatch_layer else ""
+        return [LoadCheck(0, 0, 0.0, 1 if clear_kv else 0, script.not_finite, script.mismatch_layer, why)]
 
     async def fingerprint(self) -> list[list[WorkerDigest]]:
         return [[self._digest()]]

@@ -120,6 +120,43 @@ def build_checkpoints(serve_env: dict[str, str], root: Path) -> Checkpoints:
     return Checkpoints(root=root, a=a, b=b)
 
 
+def serving_now(server: ServeProcess, prompts: list[list[int]]) -> tuple[list[list[int]], str]:
+    """What `server` serves now: its greedy tokens per prompt and its full digest (rank 0)."""
+    from enginectl.client import TrainerClient
+
+    with TrainerClient(server.grpc_target) as c:
+        digest = c.verify_weights(full=True).ranks[0].current_digest
+    return [greedy_tokens(server, p) for p in prompts], digest
+
+
+def assert_serves(server: ServeProcess, reference: tuple[list[list[int]], str], prompts: list[list[int]]) -> None:
+    """`server` generates `reference`'s tokens for `prompts`, and a full VerifyWeights answers
+    MATCH with `reference`'s digest."""
+    from enginectl.client import TrainerClient
+
+    tokens, digest = reference
+    assert [greedy_tokens(server, p) for p in prompts] == tokens
+    with TrainerClient(server.grpc_target) as c:
+        verification = c.verify_weights(full=True)
+    assert (verification.verdict, verification.ranks[0].current_digest) == ("MATCH", digest)
+
+
+def build_tied(checkpoints: Checkpoints, root: Path) -> Checkpoints:
+    """A and B of `checkpoints` under `root` as a model with tied embeddings: the config says so
+    and no file holds `lm_head.weight` (the LM head is the embedding, as in Qwen's small models)."""
+    from safetensors.torch import load_file, save_file
+
+    tied = Checkpoints(root=root, a=root / "A", b=root / "B")
+    for source, target in ((checkpoints.a, tied.a), (checkpoints.b, tied.b)):
+        shutil.copytree(source, target)
+        config = json.loads((target / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+        state = load_file(str(target / "model.safetensors"))
+        state.pop("lm_head.weight")
+        save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return tied
+
+
 def start_weights_server(serve_env: dict[str, str], checkpoints: Checkpoints, *extra: str) -> ServeProcess:
     """A ready server allowed to read the checkpoints' root, in vLLM dev mode with vLLM's own
     weight routes kept (--allow-vllm-dev-routes: /collective_rpc changes weights behind the

@@ -265,20 +265,31 @@ async def test_a_forced_resume_after_a_partial_update(
     assert not updates.generation.quarantined and heard == [True, False]
 
 
-async def test_a_load_whose_model_computes_nan_fails_as_written_naming_the_tensor(
-    updates: WeightUpdates, engine: EngineDouble, ledger: WeightVersionLedger, quarantines: list[bool]
+@pytest.mark.parametrize(
+    ("script", "cause", "key"),
+    [
+        (LoadScript(not_finite="model.layers.0.mlp.down_proj"), Cause.WEIGHTS_NOT_FINITE, "tensor"),
+        (LoadScript(mismatch_layer="model.layers.0.mlp.down_proj"), Cause.WEIGHTS_MISMATCH, "layer"),
+    ],
+)
+async def test_a_load_whose_model_computes_wrong_fails_as_written_naming_the_layer(
+    updates: WeightUpdates,
+    engine: EngineDouble,
+    ledger: WeightVersionLedger,
+    quarantines: list[bool],
+    script: LoadScript,
+    cause: Cause,
+    key: str,
 ) -> None:
-    """The check after the load (worker/weights/checks.py) names a tensor: the weights are
-    not served (undeclared, held paused, quarantined), and the tensor is in the error."""
+    """The check after the load (worker/weights/checks.py) names a layer that computes NaN, or
+    not with what was written into it: the weights are not served (undeclared, held paused,
+    quarantined), and the layer is in the error."""
     await ledger.declare("v0")
-    engine.script = LoadScript(not_finite="model.layers.0.mlp.down_proj")
+    engine.script = script
     op = await finished(updates, (await updates.start(plan("nan")))[0])
     assert error_reason(op) == Reason.PARTIAL_UPDATE
     assert op.failure is not None
-    assert (op.failure.metadata["cause"], op.failure.metadata["tensor"]) == (
-        Cause.WEIGHTS_NOT_FINITE.value,
-        "model.layers.0.mlp.down_proj",
-    )
+    assert (op.failure.metadata["cause"], op.failure.metadata[key]) == (cause.value, "model.layers.0.mlp.down_proj")
     assert "model.layers.0.mlp.down_proj" in op.failure.message
     assert not ledger.state.declared and engine.paused and quarantines == [True]
     assert "finish_update:resume=True" not in engine.calls  # never resumed over them

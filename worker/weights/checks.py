@@ -22,6 +22,12 @@ Why (docs/weights.md, "Recovery after a partial update"):
   (0 x NaN), and a successful update then serves token 0 under a declared version. So an
   update that follows a partial one zeroes every KV-cache tensor, after the pause kept no
   request running on them (the server resets the prefix cache in the same update).
+- Finite is not right: a layer the load wrote part of, or a kernel packed from other bytes
+  than it received, computes finite garbage. So every layer the loads wrote is compared with
+  what was written into it (worker/weights/written.py): a probe through each linear kernel
+  against the output the written weight gives, a CRC of every readable tensor. First, the
+  kernels vLLM's reload left stale are rebuilt: a tied LM head, whose weight the load wrote as
+  the embedding's, keeps the kernel packed at start otherwise.
 """
 
 from __future__ import annotations
@@ -33,16 +39,24 @@ from typing import Any
 import torch
 
 from enginectl.contract.engine import LoadCheck, wire
-from enginectl.worker.weights.fingerprints import packed_linears, probe_input, weight_access
+from enginectl.worker.weights.fingerprints import packed_linears, weight_access
 from enginectl.worker.weights.ranks import place
+from enginectl.worker.weights.written import (
+    first_mismatch,
+    first_partly_written,
+    installed,
+    probe,
+    rebuild_tied_kernels,
+)
 
 
 class CheckMixin:
     """The worker RPC that checks a load (mixed into EnginectlWorkerExtension)."""
 
     def enginectl_check_loaded(self, clear_kv: bool) -> Any:
-        """A LoadCheck: the first tensor or layer that computes a non-finite value, and, with
-        `clear_kv`, the KV-cache bytes zeroed first."""
+        """A LoadCheck: the first tensor or layer that computes a non-finite value, else the
+        first layer that does not compute with what the loads wrote into it (written.py), and,
+        with `clear_kv`, the KV-cache bytes zeroed first."""
         started = time.monotonic()
         where = place(self)
         cleared = 0
@@ -50,8 +64,20 @@ class CheckMixin:
             runner: Any = self.model_runner  # type: ignore[attr-defined]
             if clear_kv:
                 cleared = zero_kv_caches(getattr(runner, "kv_caches", []))
-            bad = first_not_finite(runner.get_model())
-        return wire(LoadCheck(where.dp_rank, where.worker_rank, time.monotonic() - started, cleared, bad))
+            model = runner.get_model()
+            recorded = installed()  # --load-check full (the default)
+            rebuilt = tuple(rebuild_tied_kernels(model)) if recorded else ()
+            # Memory no load wrote first (it may hold NaN: named for what it is), then
+            # non-finite values (a trainer's NaN gives a NaN reference), then the rest; each
+            # packed kernel runs once, its output on the probe kept for the comparison.
+            outputs: dict[Any, torch.Tensor] = {}
+            layer, why = first_partly_written(model) if recorded else ("", "")
+            bad = "" if layer else first_not_finite(model, outputs)
+            if recorded and not layer and not bad:
+                with torch.inference_mode():
+                    layer, why = first_mismatch(model, outputs)
+        seconds = time.monotonic() - started
+        return wire(LoadCheck(where.dp_rank, where.worker_rank, seconds, cleared, bad, layer, why, rebuilt))
 
 
 def zero_kv_caches(caches: Any) -> int:
@@ -63,9 +89,10 @@ def zero_kv_caches(caches: Any) -> int:
     return total
 
 
-def first_not_finite(model: Any) -> str:
+def first_not_finite(model: Any, outputs: dict[Any, torch.Tensor] | None = None) -> str:
     """The first tensor (by name) holding a NaN or an infinity, or packed linear layer whose
-    output on its fixed probe input does; "" when every one is finite."""
+    output on its fixed +-1 probe does (every weight it multiplies counts); "" when every one
+    is finite. Each packed layer's output goes into `outputs`, by module."""
     with torch.inference_mode():
         for name, tensor in sorted(model.state_dict(keep_vars=False).items()):
             if tensor.numel() == 0 or tensor.is_meta or not tensor.is_floating_point():
@@ -75,7 +102,9 @@ def first_not_finite(model: Any) -> str:
                 return name
         for name, module, in_features in packed_linears(model):
             weight = module.weight
-            output = module.cpu_linear(probe_input(name, in_features, weight.dtype), weight, None)
+            output = module.cpu_linear(probe(in_features, weight.dtype, weight.device), weight, None).reshape(-1)
+            if outputs is not None:
+                outputs[module] = output
             if not bool(torch.isfinite(output).all()):
                 return name
     return ""

@@ -37,6 +37,7 @@ import torch
 
 from enginectl.common import dtypes
 from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, WorkerRpc, read, wire
+from enginectl.contract.engine_config import EngineConfig
 from enginectl.worker.attach import attach
 from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.checks import CheckMixin
@@ -47,6 +48,7 @@ from enginectl.worker.weights.readers import Reader, open_reader
 from enginectl.worker.weights.staging import StagingMixin
 from enginectl.worker.weights.transfer.engine import register as register_transfer_engine
 from enginectl.worker.weights.transfer.steps import TransferMixin
+from enginectl.worker.weights.written import install as record_writes
 
 
 @dataclass
@@ -66,6 +68,9 @@ class EnginectlWorkerExtension(FingerprintMixin, CheckMixin, GroupsMixin, Stagin
         # __init__ never runs, and every other method vLLM calls at init is the worker's own.
         attach()
         register_transfer_engine()  # vLLM's worker builds its transfer engine in load_model
+        config = EngineConfig.load(getattr(kwargs.get("vllm_config"), "additional_config", None))
+        if config.load_check == "full":
+            record_writes()  # what every load writes, for the check after it (written.py)
         return super().__new__(cls)
 
     def enginectl_load(self, plan_wire: Any) -> Any:

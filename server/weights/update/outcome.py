@@ -40,6 +40,7 @@ CAUSE_CODES: dict[str, grpc.StatusCode] = {
     Cause.TRANSFER_STEP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Cause.TRANSFER_FAILED: grpc.StatusCode.INTERNAL,
     Cause.WEIGHTS_NOT_FINITE: grpc.StatusCode.DATA_LOSS,  # the weights in memory compute garbage
+    Cause.WEIGHTS_MISMATCH: grpc.StatusCode.DATA_LOSS,  # a layer computes with bytes no one sent
     Reason.STAGING_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,  # a transfer stage's batch (transfer.py)
 }
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from enginectl.contract.engine import UNDECLARED_LABEL, Cause, LoadResult, PauseReason
+from enginectl.contract.engine import UNDECLARED_LABEL, Cause, LoadCheck, LoadResult, PauseReason
 from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.weights.convert import load_results_proto
 from enginectl.server.weights.engine_protocols import UpdateEngine
@@ -179,20 +179,18 @@ class UpdateRun:
 
     async def _check(self, recovering: bool) -> None:
         """Before generation runs on the new weights: every worker's model computes finite
-        values, and after a partial update every KV cache is zeroed (worker/weights/checks.py,
-        docs/weights.md "Recovery after a partial update"). A layer that computes NaN or
-        infinity fails the update as written (PARTIAL_UPDATE, cause WEIGHTS_NOT_FINITE), named."""
+        values with the bytes the loads wrote into it, and after a partial update every KV
+        cache is zeroed (worker/weights/checks.py, docs/weights.md "The check after every
+        load"). A layer that computes NaN or infinity fails the update as written
+        (PARTIAL_UPDATE, cause WEIGHTS_NOT_FINITE), named; so does one that computes with other
+        bytes than it was written (cause WEIGHTS_MISMATCH)."""
         checks = await self._parts.engine.check_loaded(clear_kv=recovering)
-        bad = [c for c in checks if c.not_finite]
-        if bad:
-            first = bad[0]
-            raise UpdateFailed(
-                Cause.WEIGHTS_NOT_FINITE,
-                f"{first.not_finite} computes NaN or infinity after the load (DP rank {first.dp_rank}, "
-                f"worker {first.worker_rank}); the weights are not served",
-                modified=True,
-                metadata={"tensor": first.not_finite, "dp_rank": str(first.dp_rank), "worker": str(first.worker_rank)},
-            )
+        rebuilt = sorted({name for c in checks for name in c.rebuilt})
+        if rebuilt:  # vLLM's reload left them stale (docs/weights.md, "The check after every load")
+            log.info("kernels rebuilt from tied weights", operation=self._op.name, layers=rebuilt)
+        failures = [failure for failure in map(_check_failure, checks) if failure is not None]
+        if failures:
+            raise failures[0]
         if recovering:
             log.info(
                 "kv cache cleared after a partial update",
@@ -286,3 +284,21 @@ class UpdateRun:
             partial=failure.modified,
             message=failure.message,
         )
+
+
+def _check_failure(check: LoadCheck) -> UpdateFailed | None:
+    """What one worker's check after the load fails the update with, if anything: named, and
+    as written (modified)."""
+    where = f"(DP rank {check.dp_rank}, worker {check.worker_rank}); the weights are not served"
+    ranks = {"dp_rank": str(check.dp_rank), "worker": str(check.worker_rank)}
+    if check.not_finite:
+        message = f"{check.not_finite} computes NaN or infinity after the load {where}"
+        return UpdateFailed(
+            Cause.WEIGHTS_NOT_FINITE, message, modified=True, metadata={"tensor": check.not_finite, **ranks}
+        )
+    if check.mismatch_layer:
+        message = f"{check.mismatch_layer} does not compute with the weights written into it: {check.mismatch} {where}"
+        return UpdateFailed(
+            Cause.WEIGHTS_MISMATCH, message, modified=True, metadata={"layer": check.mismatch_layer, **ranks}
+        )
+    return None
