@@ -38,8 +38,8 @@ from bench.lib.progress import log
 from bench.lib.provenance import machine_info, repo_info
 from bench.rollouts import phase as rollouts_grpc
 from bench.run_report import TARGETS, figures, markdown
+from bench.weights import load_check, tensor_parallel
 from bench.weights import phase as weights
-from bench.weights import tensor_parallel
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # The phases whose baselines are vLLM's own HTTP routes, on a plain vLLM API server
@@ -56,6 +56,7 @@ PHASES = (
     "weights",
     "fleet",
     "tensor_parallel",
+    "load_check",
 )
 DIAGNOSTIC_VARIANTS = ("bare-uvloop", "intercepted-nolog", "intercepted", "controlplane")
 
@@ -377,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             results["fleet"] = fleet.phase(args.quick)
         if "tensor_parallel" in phases:  # its own TP=1 and TP=2 servers on the same synthetic models
             results["tensor_parallel"] = tensor_parallel.phase(args.quick)
+        if "load_check" in phases:  # its own --load-check full and finite servers on the same synthetic models
+            results["load_check"] = load_check.phase(args.quick)
         results["enginectl_log_lines"] = eng.lines_seen
     finally:
         if vllm:

@@ -10,8 +10,8 @@ from bench.fpm import publish as fpm_publish
 from bench.gateway import phase as gateway
 from bench.lib.stats import ratio
 from bench.rollouts import phase as rollouts_grpc
+from bench.weights import load_check, tensor_parallel
 from bench.weights import phase as weights
-from bench.weights import tensor_parallel
 
 TARGETS = {  # bench/README.md, figures 1-3 and 7
     "latency_vs_bare": 1.15,  # enginectl p50 / bare grpc.aio p50 <=
@@ -124,6 +124,7 @@ def figures(results: dict) -> list[dict]:
     out += weights.figures(results)
     out += fleet.figures(results)
     out += tensor_parallel.figures(results)
+    out += load_check.figures(results)
     return out
 
 
@@ -229,6 +230,7 @@ def markdown(results: dict) -> str:
     lines += weights.markdown(results)
     lines += fleet.markdown(results)
     lines += tensor_parallel.markdown(results)
+    lines += load_check.markdown(results)
     if results.get("notes"):
         lines += [""] + [f"- {n}" for n in results["notes"]]
     return "\n".join(lines) + "\n"

@@ -33,19 +33,26 @@ BESIDE = {"gloo": "raw_gloo_beside_reload", "tensors": "raw_grpc_stream_beside_r
 
 def phase(quick: bool, vllm_http_port: int) -> dict[str, Any]:
     """`vllm_http_port`: the HTTP port of the run's plain vLLM API server, the pause row's baseline."""
-    from bench.lib.procs import Worker
-
-    log("weights: building the synthetic checkpoints (once, under bench/.cache)")
-    builder = Worker(["build", *(["--quick"] if quick else [])], module="bench.weights.clients")
-    try:
-        models = builder.expect("result", 900)["models"]
-    finally:
-        builder.finish()
+    models = built_models("weights", quick)
     out: dict[str, Any] = {"checkpoints": {}}
     for ckpt in checkpoints(quick):
         log(f"weights: {ckpt.label} checkpoint, its own server")
         out["checkpoints"][ckpt.key] = measure(ckpt, Path(models[ckpt.key]), quick, vllm_http_port)
     return out
+
+
+def built_models(who: str, quick: bool) -> dict[str, str]:
+    """The synthetic checkpoints' model directories by key, built once under bench/.cache by
+    `python -m bench.weights.clients build` (bench/lib/checkpoints.py); `who` names the phase."""
+    from bench.lib.procs import Worker
+
+    log(f"{who}: building the weights phase's synthetic checkpoints (once, under bench/.cache)")
+    builder = Worker(["build", *(["--quick"] if quick else [])], module="bench.weights.clients")
+    try:
+        models: dict[str, str] = builder.expect("result", 900)["models"]
+    finally:
+        builder.finish()
+    return models
 
 
 def measure(ckpt: Checkpoint, model: Path, quick: bool, vllm_http_port: int) -> dict[str, Any]:

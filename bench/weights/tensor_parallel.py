@@ -45,7 +45,7 @@ from bench.lib.lines import emit, report_errors
 from bench.lib.progress import log
 from bench.lib.stats import median_ms
 from bench.weights import channel_fanout
-from bench.weights.phase import phase_medians
+from bench.weights.phase import built_models, phase_medians
 
 TP = 2
 SERVERS = ("tp1", "tp2")
@@ -67,12 +67,7 @@ def phase(quick: bool) -> dict[str, Any]:
     finally:
         fanout.finish()
     out["fanout"].pop("event", None)
-    log("tensor_parallel: building the weights phase's checkpoints (once, under bench/.cache)")
-    builder = Worker(["build", *(["--quick"] if quick else [])], module="bench.weights.clients")
-    try:
-        models = builder.expect("result", 900)["models"]
-    finally:
-        builder.finish()
+    models = built_models("tensor_parallel", quick)
     out["checkpoints"] = {}
     for ckpt in checkpoints(quick):
         log(f"tensor_parallel: {ckpt.label} checkpoint, a TP=1 and a TP=2 server")
@@ -99,11 +94,32 @@ def _server(model: Path, name: str) -> ServeProcess:
 
 
 def measure(ckpt: Checkpoint, model: Path, reps: int) -> dict[str, Any]:
-    """Serve `model` at TP=1 and at TP=2 at once and run the trainer against both; both servers
-    are stopped whatever happens, and a child process left behind fails the phase."""
+    """Serve `model` at TP=1 and at TP=2 at once and run the trainer against both."""
+    servers = {name: _server(model, name) for name in SERVERS}
+    result, stops = side_by_side("tensor_parallel", servers, model, reps)
+    return {
+        **summarize(result),
+        "model": str(model),
+        "label": ckpt.label,
+        "hidden": ckpt.hidden,
+        "layers": ckpt.layers,
+        "binding": {name: _binding(s) for name, s in servers.items()},
+        "phases_ms": {
+            name: {k: v for k, v in phase_medians(s.events()).items() if not k.startswith(WARMUP)}
+            for name, s in servers.items()
+        },
+        "server_stops": stops,
+    }
+
+
+def side_by_side(
+    who: str, servers: dict[str, ServeProcess], model: Path, reps: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Start `servers` at once on `model`, run this module's trainer (`run`) against all of
+    them, and stop them whatever happens: (the trainer's result, each server's stop). A child
+    process left behind fails the phase `who`."""
     from bench.lib.procs import Worker
 
-    servers = {name: _server(model, name) for name in SERVERS}
     t0 = time.monotonic()
     try:
         for server in servers.values():
@@ -111,7 +127,7 @@ def measure(ckpt: Checkpoint, model: Path, reps: int) -> dict[str, Any]:
         for server in servers.values():
             server.wait_ready()
         log(
-            f"tensor_parallel: servers ready after {time.monotonic() - t0:.1f}s; {reps} reps (+1 warm-up) "
+            f"{who}: servers ready after {time.monotonic() - t0:.1f}s; {reps} reps (+1 warm-up) "
             "of a disk and a tensor-stream update on each, interleaved"
         )
         targets = [arg for name, s in servers.items() for arg in ("--target", f"{name}={s.grpc_target}")]
@@ -126,21 +142,9 @@ def measure(ckpt: Checkpoint, model: Path, reps: int) -> dict[str, Any]:
         stops = {name: server.stop() for name, server in servers.items()}
     left = {name: s for name, s in stops.items() if s.get("children_left")}
     if left:
-        raise RuntimeError(f"a tensor_parallel server left children: {left}")
+        raise RuntimeError(f"a {who} server left children: {left}")
     result.pop("event", None)
-    return {
-        **summarize(result),
-        "model": str(model),
-        "label": ckpt.label,
-        "hidden": ckpt.hidden,
-        "layers": ckpt.layers,
-        "binding": {name: _binding(s) for name, s in servers.items()},
-        "phases_ms": {
-            name: {k: v for k, v in phase_medians(s.events()).items() if not k.startswith(WARMUP)}
-            for name, s in servers.items()
-        },
-        "server_stops": stops,
-    }
+    return result, stops
 
 
 def _binding(server: ServeProcess) -> str:
