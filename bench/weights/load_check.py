@@ -26,9 +26,9 @@ from typing import Any
 
 from bench.lib.checkpoints import Checkpoint, checkpoints
 from bench.lib.progress import log
-from bench.lib.stats import median_ms
+from bench.lib.stats import median_ms, ratio
 from bench.weights.phase import built_models, phase_medians
-from bench.weights.tensor_parallel import KINDS, RPCS, WARMUP, side_by_side
+from bench.weights.tensor_parallel import KINDS, RPCS, WARMUP, described, side_by_side
 
 SERVERS = ("full", "finite")
 
@@ -70,14 +70,6 @@ def measure(ckpt: Checkpoint, model: Path, reps: int) -> dict[str, Any]:
     return out
 
 
-def _ratio(a: float, b: float) -> float:
-    return round(a / b, 3) if b else 0.0
-
-
-def _what(ck: dict[str, Any]) -> str:
-    return f"{ck['label']} ({ck['num_tensors']} tensors, {ck['payload_bytes'] / 1e6:.0f} MB)"
-
-
 def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
     res = results.get("load_check")
     if not res:
@@ -89,13 +81,13 @@ def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
             checks = {name: ck["phases_ms"].get(name, {}).get(kind, {}).get("check", "") for name in SERVERS}
             out.append(
                 {
-                    "figure": f"{RPCS[kind]} with the check after every load (--load-check full), {_what(ck)}",
+                    "figure": f"{RPCS[kind]} with the check after every load (--load-check full), {described(ck)}",
                     "checkpoint": key,
                     "baseline": "the same update with --load-check finite, same run, reps interleaved",
                     "baseline_value": finite["median_ms"],
                     "enginectl_value": full["median_ms"],
                     "unit": "ms",
-                    "ratio": _ratio(full["median_ms"], finite["median_ms"]),
+                    "ratio": ratio(full["median_ms"], finite["median_ms"]),
                     "target": "reported (no target)",
                     "met": None,
                     "floor": f"check phase full / finite: {checks['full']} / {checks['finite']} ms",
@@ -113,7 +105,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
         lines += [
             "",
             (
-                f"The check after every load, {_what(ck)} float32, synthetic Llama hidden {ck['hidden']}, "
+                f"The check after every load, {described(ck)} float32, synthetic Llama hidden {ck['hidden']}, "
                 f"{ck['layers']} layers; a `--load-check full` and a `--load-check finite` server at once; "
                 f"{ck['reps']} interleaved reps (ABBA); median ms (min-max); check: the CHECK_LOADED phase."
             ),
@@ -126,7 +118,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
             checks = [ck["phases_ms"].get(name, {}).get(kind, {}).get("check", "") for name in ("finite", "full")]
             lines.append(
                 f"| {RPCS[kind]} | {a['median_ms']} ({a['min_ms']}-{a['max_ms']}) | "
-                f"{b['median_ms']} ({b['min_ms']}-{b['max_ms']}) | {_ratio(b['median_ms'], a['median_ms'])} | "
+                f"{b['median_ms']} ({b['min_ms']}-{b['max_ms']}) | {ratio(b['median_ms'], a['median_ms'])} | "
                 f"{checks[0]} / {checks[1]} |"
             )
     return lines

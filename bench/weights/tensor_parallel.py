@@ -183,7 +183,8 @@ def _ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else 0.0
 
 
-def _what(ck: dict[str, Any]) -> str:
+def described(ck: dict[str, Any]) -> str:
+    """A checkpoint's row label: its kind, tensors and size."""
     return f"{ck['label']} ({ck['num_tensors']} tensors, {ck['payload_bytes'] / 1e6:.0f} MB)"
 
 
@@ -198,7 +199,7 @@ def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
             loaded = "every worker loaded every tensor" if two["every_worker_loaded_all"] else "**a worker did not**"
             out.append(
                 {
-                    "figure": f"{RPCS[kind]} at TP=2 (`mp`, a core per worker), {_what(ck)}",
+                    "figure": f"{RPCS[kind]} at TP=2 (`mp`, a core per worker), {described(ck)}",
                     "checkpoint": key,
                     "baseline": "the same update at TP=1, same run, reps interleaved",
                     "baseline_value": one["wall"]["median_ms"],
@@ -263,7 +264,7 @@ def _checkpoint_table(ck: dict[str, Any]) -> list[str]:
     lines = [
         "",
         (
-            f"Tensor parallelism, {_what(ck)} float32, synthetic Llama hidden {ck['hidden']}, {ck['layers']} "
+            f"Tensor parallelism, {described(ck)} float32, synthetic Llama hidden {ck['hidden']}, {ck['layers']} "
             f"layers, files in page cache; a TP=1 and a TP=2 server (`mp`) at once; {ck['reps']} interleaved "
             "reps (ABBA); median ms (min-max). server: UpdateResult.duration; rank 0: its receive+load. "
             f"Cores (vLLM's log): TP=1 {ck['binding']['tp1']}; TP=2 {ck['binding']['tp2']}."
