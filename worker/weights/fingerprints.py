@@ -111,7 +111,7 @@ class _FullDigest:
         budget = budget_bytes
         while self._index < len(self._tensors):
             name, tensor = self._tensors[self._index]
-            data = _bytes(tensor)
+            data = tensor_bytes(tensor)
             if self._offset == 0:
                 self._digest.update(_header(name, tensor))
             end = min(len(data), self._offset + max(budget, 0))
@@ -262,7 +262,8 @@ def _header(name: str, tensor: torch.Tensor) -> bytes:
     return f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode()
 
 
-def _bytes(tensor: torch.Tensor) -> memoryview:
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes, as they lie in memory (a copy only if it is not contiguous)."""
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 

@@ -106,11 +106,7 @@ class WorkersRead:
         engine = self._sources.engine
         load = asyncio.ensure_future(engine.load(worker_plan, timeout=plan.timeout + RPC_GRACE_S))
         progress = asyncio.ensure_future(op.follow_progress(ProgressTally(channels.layout), channels.next_progress))
-        loop = asyncio.get_running_loop()
-        timer = loop.call_at(
-            loop.time() + max(deadline - time.time(), 0.0),
-            lambda: channels.abort(Cause.UPDATE_TIMEOUT, f"the update's timeout ({plan.timeout:.3f}s) elapsed"),
-        )
+        timer = _abort_at(channels, deadline, f"the update's timeout ({plan.timeout:.3f}s) elapsed")
         feeding = asyncio.ensure_future(self._feed(channels, op)) if self._feed is not None else None
         try:
             try:
@@ -137,11 +133,7 @@ class WorkersRead:
         plan was checked against `max_bytes` before the stage started (Staging.check)."""
         channels = self._open()
         engine = self._sources.engine
-        loop = asyncio.get_running_loop()
-        timer = loop.call_at(
-            loop.time() + max(deadline - time.time(), 0.0),
-            lambda: channels.abort(Cause.UPDATE_TIMEOUT, f"the stage's timeout ({plan.timeout:.3f}s) elapsed"),
-        )
+        timer = _abort_at(channels, deadline, f"the stage's timeout ({plan.timeout:.3f}s) elapsed")
         feeding: asyncio.Future[None] | None = None
         try:
             # What the workers receive (a stage plan names no stage token), kept under the set's.
@@ -180,6 +172,14 @@ class WorkersRead:
             self._channels.close()
         if self._group:
             self._sources.groups.in_use.discard(self._group)
+
+
+def _abort_at(channels: UpdateChannels, deadline: float, message: str) -> asyncio.TimerHandle:
+    """At `deadline` (wall clock), every worker gets an UPDATE_TIMEOUT abort frame."""
+    loop = asyncio.get_running_loop()
+    return loop.call_at(
+        loop.time() + max(deadline - time.time(), 0.0), lambda: channels.abort(Cause.UPDATE_TIMEOUT, message)
+    )
 
 
 def _worker_plan(plan: UpdatePlan, channels: UpdateChannels, deadline: float) -> LoadPlan:

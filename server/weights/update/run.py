@@ -5,7 +5,8 @@ Runs in the `enginectl serve` process, on the control loop, as one task per upda
 it). A run holds its Operation, plan, source, pause and timing marks; the long-lived state
 it works with (generation, fingerprints, staging, the ledger) is WeightUpdates', handed to it
 as `RunParts`. How the weights arrive is the update's source (plans.py UpdateSource): the run
-asks it to load, and finishes with what it answers; no step here asks which source it is. Its steps follow docs/architecture.md, "The update state machine":
+asks it to load, and finishes with what it answers; no step here asks which source it is.
+Its steps follow docs/architecture.md, "The update state machine":
 pause (unless paused already), load through the workers, then finish (cache reset, version
 stamp, resume, fingerprint) and record the version, or fail (resume, or hold generation paused
 and leave the version undeclared once writing began). How the engine is paused and an update
