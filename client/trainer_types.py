@@ -113,6 +113,8 @@ class StagedWeights:
     fingerprint: str  # digest of the staged bytes: equal on servers that staged the same tensors
     fingerprint_method: str
     expire_time: datetime | None
+    stage_time: datetime | None = None  # when staging completed
+    staged_by: str = ""  # who started the stage: its address and user agent (a name, not a proof)
 
     @classmethod
     def from_proto(cls, msg: pb2.StagedWeights) -> StagedWeights:
@@ -126,6 +128,8 @@ class StagedWeights:
             fingerprint=msg.fingerprint.digest,
             fingerprint_method=msg.fingerprint.method,
             expire_time=msg.expire_time.ToDatetime(tzinfo=timezone.utc) if msg.HasField("expire_time") else None,
+            stage_time=msg.stage_time.ToDatetime(tzinfo=timezone.utc) if msg.HasField("stage_time") else None,
+            staged_by=msg.staged_by,
         )
 
 

@@ -76,6 +76,8 @@ class Reason:
     STAGED_WEIGHTS_EXPIRED = "STAGED_WEIGHTS_EXPIRED"
     STAGE_INCOMPLETE = "STAGE_INCOMPLETE"  # a commit of a set still being received
     STAGED_COMMITTING = "STAGED_COMMITTING"  # a discard of a set a commit is applying
+    # Fleet.repair (client side, never sent by a server): a server holds nothing to repair it with
+    NOT_REPAIRABLE = "NOT_REPAIRABLE"
     # FPM identity
     IDENTITY_SYNC_FAILED = "IDENTITY_SYNC_FAILED"
     IDENTITY_READ_FAILED = "IDENTITY_READ_FAILED"
@@ -107,7 +109,7 @@ class Reason:
     TRANSFER_NOT_CONFIGURED = "TRANSFER_NOT_CONFIGURED"  # served without --weight-transfer-config
     TRANSFER_INIT_INVALID = "TRANSFER_INIT_INVALID"  # the engine refused the init info
     TRANSFER_INIT_FAILED = "TRANSFER_INIT_FAILED"  # a worker could not connect
-    TRANSFER_ALREADY_INITIALIZED = "TRANSFER_ALREADY_INITIALIZED"  # init twice without a shutdown
+    TRANSFER_ALREADY_INITIALIZED = "TRANSFER_ALREADY_INITIALIZED"  # no longer sent: an init takes over
     TRANSFER_NOT_INITIALIZED = "TRANSFER_NOT_INITIALIZED"  # a round before any init
     TRANSFER_NOT_STARTED = "TRANSFER_NOT_STARTED"  # a batch or finish without an open round
     TRANSFER_STEP_TIMEOUT = "TRANSFER_STEP_TIMEOUT"  # the trainer's next step did not come in time

@@ -56,10 +56,16 @@ class LocalEndpoint:
         return None
 
     async def call(
-        self, method: str, request: Message, metadata: Sequence[tuple[str, str]] = (), timeout: float | None = None
+        self,
+        method: str,
+        request: Message,
+        metadata: Sequence[tuple[str, str]] = (),
+        timeout: float | None = None,
+        peer: str = "local",
     ) -> Message:
         """Run the unary RPC `method` ("/pkg.Service/Method") with `request`, as the gRPC
-        server would; returns its response or raises CallAborted with its status."""
+        server would, for `peer` (who called, as gRPC names a peer); returns its response or
+        raises CallAborted with its status."""
         details = _CallDetails(method, tuple(metadata))
 
         async def found(call_details: Any) -> grpc.RpcMethodHandler | None:
@@ -70,6 +76,6 @@ class LocalEndpoint:
             raise CallAborted(
                 status_pb2.Status(code=grpc.StatusCode.UNIMPLEMENTED.value[0], message=f"no unary RPC {method}")
             )
-        context: ServicerContext = LocalContext(metadata, timeout)
+        context: ServicerContext = LocalContext(metadata, timeout, peer=peer)
         answer: Message = await handler.unary_unary(request, context)
         return answer

@@ -50,13 +50,21 @@ UNARY_TIMEOUT_S = 60.0
 @dataclass(frozen=True)
 class Caller:
     """Who makes a call, as a gRPC client says it in metadata: `authorization` (passed on as
-    it came, e.g. an HTTP request's Authorization header) and a request id for the logs."""
+    it came, e.g. an HTTP request's Authorization header), a request id for the logs and its
+    user agent; and its address, as gRPC names a peer ("ipv4:10.0.0.7:51234"). The last two
+    name who staged a set or took over an engine (docs/weights.md, "A trainer that restarts")."""
 
     authorization: str | None = None
     request_id: str | None = None
+    peer: str = "local"
+    user_agent: str | None = None
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        pairs = (("authorization", self.authorization), ("x-request-id", self.request_id))
+        pairs = (
+            ("authorization", self.authorization),
+            ("x-request-id", self.request_id),
+            ("user-agent", self.user_agent),
+        )
         return tuple((key, value) for key, value in pairs if value)
 
 
@@ -79,7 +87,7 @@ class UnaryCall(Generic[Req, Resp]):
         CallAborted with the status the call ended with."""
 
         async def run() -> Resp:
-            answer = await self._endpoint.call(self.method, request, caller.metadata(), timeout)
+            answer = await self._endpoint.call(self.method, request, caller.metadata(), timeout, caller.peer)
             if not isinstance(answer, self._response):
                 message = f"{self.method} answered a {type(answer).__name__}"
                 raise CallAborted(status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=message))

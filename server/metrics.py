@@ -27,6 +27,7 @@ UPDATE_RESULTS = ("ok", "failed", "partial", "cancelled")
 PAUSE_REASONS = ("update", "caller")
 # unchanged = every rank already held the identity (a safe retry).
 IDENTITY_RESULTS = ("ok", "unchanged", "failed")
+TAKEOVER_RESOURCES = ("transfer_engine", "update_group")
 # 10 ms .. 10 min: a tiny model from page cache up to a large broadcast.
 UPDATE_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
 # 1 ms (PauseGeneration + ResumeGeneration back to back) .. 10 min.
@@ -136,6 +137,16 @@ class ControlPlaneMetrics:
         )
         for result in IDENTITY_RESULTS:
             self.identity_syncs.labels(result=result)
+        self.takeovers = Counter(
+            "enginectl_takeovers",
+            "Trainer-held resources taken over by a trainer that restarted (an init while the "
+            "previous one's was in place), by resource (transfer_engine, update_group); "
+            'docs/weights.md, "A trainer that restarts".',
+            ["resource"],
+            registry=registry,
+        )
+        for resource in TAKEOVER_RESOURCES:
+            self.takeovers.labels(resource=resource)
 
     def rpc_done(self, rpc: str, code: str) -> None:
         self.rpcs.labels(rpc=rpc, code=code).inc()
@@ -154,6 +165,10 @@ class ControlPlaneMetrics:
     def identity_synced(self, result: str) -> None:
         """A SetWorkerIdentity reached the ranks (server/fpm/identity.py `on_synced`)."""
         self.identity_syncs.labels(result=result).inc()
+
+    def taken_over(self, resource: str) -> None:
+        """A trainer took over `resource` (server/weights/transfer.py, sources/groups.py)."""
+        self.takeovers.labels(resource=resource).inc()
 
     def set_staged_bytes(self, nbytes: int) -> None:
         """Staged (two-phase) updates: the bytes of the set held between stage and commit

@@ -45,6 +45,15 @@ class ServicerContext(Protocol):
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> NoReturn: ...
 
 
+def caller_of(context: ServicerContext) -> str:
+    """Who made a call, for the logs and the records that name who staged or took over what
+    (docs/weights.md, "A trainer that restarts"): its peer and its user agent. Not a proof of
+    anything (the token is): a name for a person reading."""
+    agent = next((str(v) for k, v in context.invocation_metadata() or () if k == "user-agent"), "")
+    peer = context.peer() or "unknown"
+    return f"{peer} ({agent})" if agent else peer
+
+
 def status_code(status: status_pb2.Status) -> grpc.StatusCode:
     """The grpc.StatusCode of a google.rpc.Status (UNKNOWN for a number gRPC does not know)."""
     return next((c for c in grpc.StatusCode if c.value[0] == status.code), grpc.StatusCode.UNKNOWN)

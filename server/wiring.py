@@ -139,9 +139,10 @@ async def start_control_plane(
         on_staged_bytes=metrics.set_staged_bytes,
         fingerprints=fingerprints,
         on_partial=health.set_quarantined,
+        on_takeover=metrics.taken_over,
     )
     await updates.prepare()  # milliseconds
-    transfer = WeightTransfer(engine, updates, config.weight_transfer_backend)
+    transfer = WeightTransfer(engine, updates, config.weight_transfer_backend, on_takeover=metrics.taken_over)
     relay = before.fpm.start(ledger)
     register_fpm_metrics(relay)  # once per process: the relay's counters on vLLM's /metrics
     identity = IdentitySync(

@@ -49,10 +49,17 @@ class RouteCalls:
         self._refusal = refusal
 
     def caller(self, request: Request) -> Caller:
-        """Who calls a route that changes state: its Authorization and X-Request-Id headers."""
+        """Who calls a route that changes state: its Authorization, X-Request-Id and User-Agent
+        headers, and the client's address."""
         if self._refusal is not None:
             raise RouteError(grpc.StatusCode.UNAUTHENTICATED, Reason.UNAUTHENTICATED, self._refusal)
-        return Caller(request.headers.get("authorization"), request.headers.get("x-request-id"))
+        client = request.client
+        return Caller(
+            request.headers.get("authorization"),
+            request.headers.get("x-request-id"),
+            peer=f"http:{client.host}:{client.port}" if client is not None else "http",
+            user_agent=request.headers.get("user-agent"),
+        )
 
     async def version(self) -> weight_version_pb2.WeightVersion:
         return (await self.plane.weight_version.get_weight_version(ver.GetWeightVersionRequest())).weight_version

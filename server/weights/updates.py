@@ -67,6 +67,7 @@ class WeightUpdates:
         on_staged_bytes: Callable[[int], None] | None = None,
         fingerprints: WeightFingerprints | None = None,
         on_partial: Callable[[bool], Awaitable[None]] | None = None,
+        on_takeover: Callable[[str], None] | None = None,
     ) -> None:
         self._engine = engine
         self._ledger = ledger
@@ -77,7 +78,7 @@ class WeightUpdates:
         self._ranks = engine.info.data_parallel_size
         self._dir = Path(tempfile.mkdtemp(prefix="enginectl-updates-"))
         self.generation = Generation(engine, self._ranks, on_pause, on_partial)
-        self.groups = UpdateGroups(engine)
+        self.groups = UpdateGroups(engine, on_takeover)
         # The source of every update whose workers read the weights themselves (and of a
         # tensor stream, fed through their channels); a transfer round brings its own.
         self._sources = WorkerSources(engine, engine.info.layout, self.groups, self._dir)
@@ -153,33 +154,56 @@ class WeightUpdates:
             state.staged.CopyFrom(self.staging.current.proto())
         return state
 
-    async def init_group(self, request: pb2.InitWeightsUpdateGroupRequest) -> pb2.WeightsUpdateGroup:
-        return await self.groups.init(request)
+    def _receiving(self) -> str:
+        """The Operation receiving through a group now: the running update, or the stage."""
+        if self.generation.updating() and self.generation.active is not None:
+            return self.generation.active.name
+        current = self.staging.current
+        return current.operation if current is not None else "an update"
+
+    def _group_in_use(self, name: str) -> None:
+        """Raises GROUP_IN_USE, naming the update, while one receives through `name`."""
+        if name in self.groups.in_use:
+            running = self._receiving()
+            raise ControlPlaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                Reason.GROUP_IN_USE,
+                f"{running} is receiving through {name!r}: CancelOperation(name={running!r}) ends it and frees "
+                "the name (a trainer that restarted then creates it again)",
+                metadata={"operation": running},
+            )
+
+    async def init_group(self, request: pb2.InitWeightsUpdateGroupRequest, by: str = "") -> pb2.WeightsUpdateGroup:
+        self._group_in_use(request.group_name)
+        return await self.groups.init(request, by)
 
     async def destroy_group(self, request: pb2.DestroyWeightsUpdateGroupRequest) -> bool:
+        self._group_in_use(request.group_name)
         return await self.groups.destroy(request)
 
-    async def update_from_disk(self, request: pb2.UpdateWeightsFromDiskRequest) -> UpdateOperation:
+    async def update_from_disk(self, request: pb2.UpdateWeightsFromDiskRequest, by: str = "") -> UpdateOperation:
         # Checking a checkpoint reads its safetensors headers: off the control loop.
-        op, _ = await self.start(await asyncio.to_thread(self._validator.disk, request))
+        op, _ = await self.start((await asyncio.to_thread(self._validator.disk, request)).asked_by(by))
         return op
 
-    async def update_from_distributed(self, request: pb2.UpdateWeightsFromDistributedRequest) -> UpdateOperation:
-        op, _ = await self.start(self._validator.distributed(request))
+    async def update_from_distributed(
+        self, request: pb2.UpdateWeightsFromDistributedRequest, by: str = ""
+    ) -> UpdateOperation:
+        op, _ = await self.start(self._validator.distributed(request).asked_by(by))
         return op
 
-    async def update_from_ipc(self, request: pb2.UpdateWeightsFromIpcRequest) -> UpdateOperation:
-        op, _ = await self.start(self._validator.ipc(request, self._engine.info.num_workers))
+    async def update_from_ipc(self, request: pb2.UpdateWeightsFromIpcRequest, by: str = "") -> UpdateOperation:
+        op, _ = await self.start(self._validator.ipc(request, self._engine.info.num_workers).asked_by(by))
         return op
 
     async def update_from_tensors(
-        self, requests: AsyncIterator[pb2.UpdateWeightsFromTensorsRequest]
+        self, requests: AsyncIterator[pb2.UpdateWeightsFromTensorsRequest], by: str = ""
     ) -> UpdateOperation:
         """The tensor stream's update: its header planned, its chunks fed (tensor_stream.py).
         Answers once the stream is fed (or the update ended); raises the update's error if it
         failed meanwhile, and the store's if the server closes."""
         messages = requests.__aiter__()
-        plan = self._validator.tensors(await read_header(messages))
+        plan = self._validator.tensors(await read_header(messages)).asked_by(by)
         stream = TensorStream(messages, plan.bytes_total)
         op, started = await self.start(plan.arriving_by(self._sources.read(plan, stream.feed)))
         store = self._store
@@ -193,7 +217,7 @@ class WeightUpdates:
             raise store.closed_error()
         return op
 
-    async def commit(self, request: pb2.CommitStagedWeightsRequest) -> UpdateOperation:
+    async def commit(self, request: pb2.CommitStagedWeightsRequest, by: str = "") -> UpdateOperation:
         """CommitStagedWeights: an update of the staged set. A commit retried with its
         request_id answers the first one's Operation (its set may be consumed by now);
         REQUEST_ID_REUSED when that key named another update."""
@@ -203,7 +227,7 @@ class WeightUpdates:
                 raise invalid_field(Reason.REQUEST_ID_REUSED, "request_id", "already used by a different update")
             return known[1]
         staged = self.staging.find(request.name)
-        op, _ = await self.start(self._validator.commit(request, staged.plan, staged.token))
+        op, _ = await self.start(self._validator.commit(request, staged.plan, staged.token).asked_by(by))
         return op
 
     async def discard(self, request: pb2.DiscardStagedWeightsRequest) -> pb2.DiscardStagedWeightsResponse:
@@ -297,6 +321,7 @@ class WeightUpdates:
             source=plan.source.value,
             version=plan.version,
             tensors=len(plan.tensors),
+            caller=plan.by,
         )
         asyncio.ensure_future(UpdateRun(self._parts, op, plan, source, lock).run())
         return op, True

@@ -77,6 +77,7 @@ class EngineDouble:
     )
     errored: bool = False
     transfer_failures: dict[TransferStep, str] = field(default_factory=dict)  # step -> its error
+    transfer_refusals: dict[TransferStep, str] = field(default_factory=dict)  # step -> its parse error
     transfer_writes_before_failing: bool = True
 
     # --- generation --------------------------------------------------------------------
@@ -140,9 +141,12 @@ class EngineDouble:
         return [LoadResult(0, 0, len(plan.tensors) if error is None else 0, 0, script.modified, 0.01, error)]
 
     async def transfer(self, step: TransferStep, payload: object, timeout: float) -> list[TransferAnswer]:
-        """A transfer step (server/weights/transfer.py): fails with `transfer_failures[step]`
-        where set; an UPDATE or FINISH that runs changes the weights."""
+        """A transfer step (server/weights/transfer.py): refused with `transfer_refusals[step]`,
+        or fails with `transfer_failures[step]`, where set; an UPDATE or FINISH that runs
+        changes the weights."""
         self.calls.append(f"transfer:{step.value}")
+        if step in self.transfer_refusals:  # the worker's parse refused it: nothing done
+            return [TransferAnswer(0, 0, self.transfer_refusals[step], True)]
         error = self.transfer_failures.get(step, "")
         if step in (TransferStep.UPDATE, TransferStep.FINISH) and (not error or self.transfer_writes_before_failing):
             self.weights = f"transfer-{step.value}"

@@ -1,9 +1,10 @@
 """A trainer on vLLM's trainer-side API with enginectl's `gloo` engine, as a separate process.
 
-Runs as `python tests/support/transfer_trainer_proc.py HTTP_URL FILE MODE`, through vLLM's
+Runs as `python tests/support/transfer_trainer_proc.py HTTP_URL FILE MODE [VERSION]`, through vLLM's
 `HTTPVLLMWeightSyncClient` and its four routes: builds the engine with vLLM's
 `WeightTransferTrainerFactory` (world size: the trainer and one worker), then
-- MODE `full`: sends every tensor of FILE (one round), prints {"sent": n}, shuts the transfer
+- MODE `full`: as vLLM's examples write a trainer, init (by `trainer_init`) then one round of
+  every tensor of FILE, declaring VERSION when given; prints {"sent": n}, shuts the transfer
   down on both sides, exits 0;
 - MODE `die`: starts a round (printing its Operation's name with the count), has the workers receive it (`update_weights`, on a thread),
   broadcasts half the tensors (one broadcast each), prints {"sent": n}, and exits at once with os._exit (a
@@ -28,6 +29,7 @@ from enginectl.common.buckets import cut
 
 def main() -> None:
     url, file, mode = sys.argv[1:4]
+    version = sys.argv[4] if len(sys.argv) > 4 else None
     register()
     client = HTTPVLLMWeightSyncClient(url, timeout=60)
     tensors = load_file(file)
@@ -40,7 +42,7 @@ def main() -> None:
         source=source,
     )
     if mode == "full":
-        engine.send_weights()
+        engine.send_weights(weight_version=version)
         print(json.dumps({"sent": len(tensors)}), flush=True)
         engine.shutdown()
         client.shutdown_weight_transfer_engine()

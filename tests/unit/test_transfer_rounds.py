@@ -174,3 +174,40 @@ async def test_a_start_retried_with_its_request_id_answers_the_first_round(
 
 def test_struct_numbers_come_back_as_ints() -> None:
     assert plain({"port": 29500.0, "shapes": [[2.0, 3.0]], "t": 1.5}) == {"port": 29500, "shapes": [[2, 3]], "t": 1.5}
+
+
+async def test_an_init_while_initialized_takes_over_unless_refused_or_a_round_is_open(
+    engine: EngineDouble, updates: WeightUpdates
+) -> None:
+    """docs/weights.md, "A trainer that restarts": an init over a connection takes it over
+    (counted); one the workers' parse refuses changes nothing (the connection stays, nothing
+    shut down); with a round open the init names the round; concurrent inits run one after the
+    other, each taking over from the one before."""
+    taken: list[str] = []
+    transfer = WeightTransfer(engine, updates, "gloo", on_takeover=taken.append)
+    info = struct_pb2.Struct()
+    info.update({"master_address": "127.0.0.1", "master_port": 29500})
+    request = pb2.InitWeightTransferEngineRequest(init_info=info)
+    await transfer.init(request)
+    assert taken == [] and transfer.initialized
+    await transfer.init(request)
+    assert taken == ["transfer_engine"] and transfer.initialized
+
+    engine.transfer_refusals[TransferStep.INIT] = "ValueError: rank_offset must be >= 1"
+    engine.calls.clear()
+    with pytest.raises(ControlPlaneError) as refused:
+        await transfer.init(request)
+    assert refused.value.reason == Reason.TRANSFER_INIT_INVALID
+    assert taken == ["transfer_engine"] and transfer.initialized and engine.calls == ["transfer:init"]
+    engine.transfer_refusals.clear()
+
+    op = await transfer.start(pb2.StartWeightUpdateRequest())
+    with pytest.raises(ControlPlaneError) as busy:
+        await transfer.init(request)
+    assert (busy.value.reason, busy.value.metadata["operation"]) == (Reason.UPDATE_IN_PROGRESS, op.name)
+    assert f"CancelOperation(name={op.name!r})" in busy.value.message
+    op.cancel()
+    await ended(updates, op)
+
+    await asyncio.gather(transfer.init(request), transfer.init(request))
+    assert taken == ["transfer_engine"] * 3

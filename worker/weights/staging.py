@@ -55,6 +55,7 @@ from enginectl.worker.weights.ranks import dp_rank, place
 STAGED_SEND_TIMEOUT_MS = 10_000  # the `staged` report waits this long for a slow server
 # Fault injection for tests only, for faults no real input causes on demand; a comma list:
 # "commit-once": this worker's first commit fails half-way (after writing began);
+# "commit-N": its Nth commit does (N from 1; several may be listed);
 # "report-lost-once": its first stage never sends its `staged` report (one lost in transit).
 FAULT_ENV = "ENGINECTL_TEST_FAULT"
 
@@ -82,6 +83,7 @@ class StagingState:
     buffer: torch.Tensor | None = None  # kept for reuse across stages
     committed: bool = False  # a commit loaded from `buffer` since it was last (re)used
     faults_fired: set[str] = field(default_factory=set)  # FAULT_ENV
+    commits: int = 0  # commits this worker began (FAULT_ENV's "commit-N")
 
 
 class StagingMixin:
@@ -148,10 +150,11 @@ def staged_tensors(state: StagingState, token: str) -> Iterator[tuple[str, torch
         raise Abort(Cause.LOAD_FAILED, "no staged set of that name on this worker")
     if staged.result is None or not staged.result.done or staged.result.error is not None:
         raise Abort(Cause.LOAD_FAILED, "the staged set on this worker is not complete")
-    fault = _fault(state, "commit-once")
+    state.commits += 1
+    fault = _fault(state, "commit-once") or _fault(state, f"commit-{state.commits}")
     for i, pair in enumerate(staged.views):
         if fault and i == len(staged.views) // 2:
-            raise RuntimeError(f"injected commit fault ({FAULT_ENV}=commit-once)")
+            raise RuntimeError(f"injected commit fault ({FAULT_ENV})")
         yield pair
 
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from google.longrunning import operations_pb2
 
 from enginectl.server.interceptors import caller_authenticated
-from enginectl.server.servicer_context import ServicerContext
+from enginectl.server.servicer_context import ServicerContext, caller_of
 from enginectl.server.weights.transfer import WeightTransfer
 from enginectl.server.weights.updates import WeightUpdates
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
@@ -76,12 +76,12 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
     async def UpdateWeightsFromDisk(
         self, request: pb2.UpdateWeightsFromDiskRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
-        return (await self.updates.update_from_disk(request)).proto()
+        return (await self.updates.update_from_disk(request, caller_of(context))).proto()
 
     async def InitWeightsUpdateGroup(
         self, request: pb2.InitWeightsUpdateGroupRequest, context: ServicerContext
     ) -> pb2.InitWeightsUpdateGroupResponse:
-        return pb2.InitWeightsUpdateGroupResponse(group=await self.updates.init_group(request))
+        return pb2.InitWeightsUpdateGroupResponse(group=await self.updates.init_group(request, caller_of(context)))
 
     async def DestroyWeightsUpdateGroup(
         self, request: pb2.DestroyWeightsUpdateGroupRequest, context: ServicerContext
@@ -91,17 +91,17 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
     async def UpdateWeightsFromDistributed(
         self, request: pb2.UpdateWeightsFromDistributedRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
-        return (await self.updates.update_from_distributed(request)).proto()
+        return (await self.updates.update_from_distributed(request, caller_of(context))).proto()
 
     async def UpdateWeightsFromIpc(
         self, request: pb2.UpdateWeightsFromIpcRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
-        return (await self.updates.update_from_ipc(request)).proto()
+        return (await self.updates.update_from_ipc(request, caller_of(context))).proto()
 
     async def CommitStagedWeights(
         self, request: pb2.CommitStagedWeightsRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
-        return (await self.updates.commit(request)).proto()
+        return (await self.updates.commit(request, caller_of(context))).proto()
 
     async def DiscardStagedWeights(
         self, request: pb2.DiscardStagedWeightsRequest, context: ServicerContext
@@ -111,19 +111,19 @@ class WeightUpdateServicer(pb2_grpc.WeightUpdateServiceServicer):
     async def UpdateWeightsFromTensors(
         self, request_iterator: AsyncIterator[pb2.UpdateWeightsFromTensorsRequest], context: ServicerContext
     ) -> operations_pb2.Operation:
-        return (await self.updates.update_from_tensors(request_iterator)).proto()
+        return (await self.updates.update_from_tensors(request_iterator, caller_of(context))).proto()
 
     # --- vLLM's weight-transfer engines (weights/transfer.py) ---------------------------------
 
     async def InitWeightTransferEngine(
         self, request: pb2.InitWeightTransferEngineRequest, context: ServicerContext
     ) -> pb2.InitWeightTransferEngineResponse:
-        return await self.transfer.init(request)
+        return await self.transfer.init(request, caller_of(context))
 
     async def StartWeightUpdate(
         self, request: pb2.StartWeightUpdateRequest, context: ServicerContext
     ) -> operations_pb2.Operation:
-        return (await self.transfer.start(request)).proto()
+        return (await self.transfer.start(request, caller_of(context))).proto()
 
     async def UpdateWeights(
         self, request: pb2.UpdateWeightsRequest, context: ServicerContext

@@ -4,12 +4,19 @@ Runs in the `enginectl serve` process, on the control loop. Each group is a gloo
 group of the trainer (rank 0) and every worker of this engine, created by
 InitWeightsUpdateGroup and used by UpdateWeightsFromDistributed; vLLM's own groups are never
 touched (worker/weights/groups.py).
+
+A name belongs to the last trainer that created it: an init under a name that exists, while no
+update receives through it, is a trainer that restarted taking it over (SGLang's
+init_weights_update_group replaces a group the same way). The workers leave the old group
+first; the takeover is logged with who held the name since when, and counted
+(docs/weights.md, "A trainer that restarts").
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Final
 
 import grpc
@@ -75,16 +82,20 @@ def backends() -> list[pb2.UpdateBackend.ValueType]:
 class UpdateGroups:
     """The groups of one engine: created, being created, and in use by an update."""
 
-    def __init__(self, engine: GroupEngine) -> None:
+    def __init__(self, engine: GroupEngine, on_takeover: Callable[[str], None] | None = None) -> None:
         self._engine = engine
         self._groups: dict[str, pb2.WeightsUpdateGroup] = {}
+        self._created_by: dict[str, str] = {}  # who created each group (servicer_context.caller_of)
         self._pending: set[str] = set()
         self.in_use: set[str] = set()
+        self._on_takeover = on_takeover  # hears "update_group" on every takeover (the metric)
 
     def __contains__(self, name: str) -> bool:
         return name in self._groups
 
-    async def init(self, request: pb2.InitWeightsUpdateGroupRequest) -> pb2.WeightsUpdateGroup:
+    async def init(self, request: pb2.InitWeightsUpdateGroupRequest, by: str = "") -> pb2.WeightsUpdateGroup:
+        """Create the group `request` names, or take its name over (module docstring); `by`:
+        who asks. The caller checked that no update receives through it (WeightUpdates)."""
         check_group_name(request.group_name)
         if not request.master_address or len(request.master_address.encode()) > 253:
             raise invalid_field(
@@ -118,9 +129,20 @@ class UpdateGroups:
                 "NCCL needs CUDA GPUs; this engine has none (use GLOO or the tensor stream)",
             )
         name = request.group_name
-        if name in self._groups or name in self._pending:
-            raise ControlPlaneError(grpc.StatusCode.ALREADY_EXISTS, Reason.GROUP_EXISTS, f"group {name!r} exists")
-        if len(self._groups) + len(self._pending) >= MAX_GROUPS:
+        if name in self._pending:
+            raise ControlPlaneError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                Reason.GROUP_EXISTS,
+                f"group {name!r} is being created (or left) by another call; init again once that call answered",
+            )
+        if name in self.in_use:  # WeightUpdates names the update first; this is the last word
+            raise ControlPlaneError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                Reason.GROUP_IN_USE,
+                f"an update is receiving through {name!r}; CancelOperation on it frees the name",
+            )
+        replaced = self._groups.get(name)
+        if replaced is None and len(self._groups) + len(self._pending) >= MAX_GROUPS:
             raise ControlPlaneError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 Reason.TOO_MANY_GROUPS,
@@ -135,8 +157,10 @@ class UpdateGroups:
             timeout=timeout,
             backend=Backend.NCCL if request.backend == pb2.GROUP_BACKEND_NCCL else Backend.GLOO,
         )
-        self._pending.add(name)
+        self._pending.add(name)  # from here until it is created, another init of `name` waits its turn
         try:
+            if replaced is not None:
+                await self._take_over(replaced, by)
             outcomes = await self._join(spec)
         except BaseException:
             self._leave(name)
@@ -157,8 +181,26 @@ class UpdateGroups:
         )
         group.create_time.FromNanoseconds(time.time_ns())
         self._groups[name] = group
+        self._created_by[name] = by
         log.info("update group created", group=name, backend=spec.backend.value, world_size=request.world_size)
         return group
+
+    async def _take_over(self, replaced: pb2.WeightsUpdateGroup, by: str) -> None:
+        """A trainer that restarted creates its group again: every worker leaves the old one
+        (its trainer is gone, or is about to lose it), logged and counted."""
+        name = replaced.group_name
+        previous = self._created_by.get(name, "")
+        await self.drop(name)
+        log.warning(
+            "update group taken over",
+            group=name,
+            previous_create_time=replaced.create_time.ToJsonString(),
+            previous_caller=previous,
+            previous_master=f"{replaced.master_address}:{replaced.master_port}",
+            caller=by,
+        )
+        if self._on_takeover is not None:
+            self._on_takeover("update_group")
 
     async def _join(self, spec: GroupSpec) -> list[RankOutcome[list[GroupJoined]]]:
         """Every worker joins `spec` on its own thread; ask how they stand until every rank
@@ -220,6 +262,7 @@ class UpdateGroups:
     async def drop(self, name: str) -> None:
         """Forget `name` and have every worker leave it."""
         self._groups.pop(name, None)
+        self._created_by.pop(name, None)
         await self._engine.destroy_group(name)
 
 

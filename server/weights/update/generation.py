@@ -128,7 +128,8 @@ class Generation:
         return ControlPlaneError(
             grpc.StatusCode.ABORTED,
             Reason.UPDATE_IN_PROGRESS,
-            f"{self.active.name} is running; {why}",
+            f"{self.active.name} is running; {why} (a trainer taking over ends it first: "
+            f"CancelOperation(name={self.active.name!r}))",
             metadata={"operation": self.active.name},
         )
 

@@ -63,6 +63,12 @@ class UpdatePlan:
     # The source the bytes arrive by when the workers do not read them themselves (a tensor
     # stream, a transfer round); None: they do (WeightUpdates.start chooses).
     via: UpdateSource | None = field(default=None, compare=False, repr=False)
+    # Who asked for it (servicer_context.caller_of): logged, and named by the set a stage keeps.
+    by: str = field(default="", compare=False)
+
+    def asked_by(self, caller: str) -> UpdatePlan:
+        """This plan, asked for by `caller`."""
+        return replace(self, by=caller)
 
     def arriving_by(self, source: UpdateSource) -> UpdatePlan:
         """This plan, its bytes arriving by `source`."""

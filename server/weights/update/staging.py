@@ -75,6 +75,7 @@ class StagedSet:
             source=source_proto(self.plan.source),
             tensors=len(self.plan.tensors),
             bytes=self.plan.bytes_total,
+            staged_by=self.plan.by,
         )
         if self.plan.version is not None:
             msg.weight_version = self.plan.version

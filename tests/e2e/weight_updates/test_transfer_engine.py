@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import requests
 from google.longrunning import operations_pb2
+from prometheus_client.parser import text_string_to_metric_families
 from support.serving import ServeProcess
 from support.weight_updates import Stubs
 from support.weights import Checkpoints, greedy_tokens
@@ -46,10 +47,10 @@ def wait_for_failed_round(stubs: Stubs, name: str) -> Any:
     return done
 
 
-def run_trainer(server: ServeProcess, file: str, mode: str) -> dict[str, Any]:
+def run_trainer(server: ServeProcess, file: str, mode: str, *version: str) -> dict[str, Any]:
     """tests/support/transfer_trainer_proc.py in its own process: its one JSON line."""
     proc = subprocess.run(
-        [sys.executable, str(TRAINER_PROC), server.http_url, file, mode],
+        [sys.executable, str(TRAINER_PROC), server.http_url, file, mode, *version],
         capture_output=True,
         text=True,
         timeout=180,
@@ -59,12 +60,25 @@ def run_trainer(server: ServeProcess, file: str, mode: str) -> dict[str, Any]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def test_a_trainer_killed_mid_round_leaves_the_weights_untouched(
+def takeovers(server: ServeProcess) -> float:
+    """enginectl_takeovers_total{resource="transfer_engine"} on the server's /metrics."""
+    text = requests.get(f"{server.http_url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "enginectl_takeovers_total" and sample.labels == {"resource": "transfer_engine"}:
+                return float(sample.value)
+    raise AssertionError("enginectl_takeovers_total is not on /metrics")
+
+
+def test_a_trainer_killed_mid_round_leaves_the_weights_untouched_and_its_successor_takes_over(
     weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], tokens_b: list[int]
 ) -> None:
     """The trainer dies between start and finish, after half the tensors went out: the workers'
     receive fails on the closed connection, the round ends without touching the model (the
-    engine serves A, whole), and a new trainer's full round then applies B."""
+    engine serves A, whole). A new trainer process, written as vLLM's examples write one, then
+    calls init first with no other call before it: its init takes the dead trainer's
+    connection over (docs/weights.md, "A trainer that restarts"), logged and counted, and its
+    round applies B under the version it names."""
     before = stubs.version()
     died = run_trainer(weights_server, str(checkpoints.file("B")), "die")
     assert died["sent"] > 0
@@ -75,11 +89,21 @@ def test_a_trainer_killed_mid_round_leaves_the_weights_untouched(
     assert not stubs.state().paused
     assert greedy_tokens(weights_server) == tokens_a
     assert stubs.verify(full=True).verdict == vpb.VERIFY_VERDICT_MATCH
-    # The dead trainer's group is still the engine's: let it go, then a new trainer joins.
-    requests.post(f"{weights_server.http_url}/shutdown_weight_transfer_engine", timeout=60).raise_for_status()
-    run_trainer(weights_server, str(checkpoints.file("B")), "full")
+
+    counted = takeovers(weights_server)
+    run_trainer(weights_server, str(checkpoints.file("B")), "full", "T-successor")
     assert greedy_tokens(weights_server) == tokens_b
-    assert not stubs.version().declared  # the trainer finished without a version
+    version = stubs.version()
+    assert (version.declared, version.version, version.source) == (
+        True,
+        "T-successor",
+        wv.WEIGHT_SOURCE_TRANSFER_ENGINE,
+    )
+    assert stubs.verify(full=True).verdict == vpb.VERIFY_VERDICT_MATCH
+    assert takeovers(weights_server) == counted + 1
+    taken = [e for e in weights_server.events() if e.get("event") == "transfer engine taken over"]
+    assert taken and taken[-1]["previous_caller"].startswith("http:127.0.0.1:"), taken
+    assert taken[-1]["previous_init_time"] and taken[-1]["caller"].startswith("http:127.0.0.1:")
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from support.weight_updates import Stubs
 from support.weights import Checkpoints, greedy_tokens
 from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-from enginectl.client.errors import AbortedError, EnginectlError, FailedPreconditionError
+from enginectl.client.errors import AbortedError, EnginectlError, FailedPreconditionError, InvalidArgumentError
 from enginectl.client.transfer_client import WeightSyncClient
 from enginectl.client.transfer_engine import (
     GlooTrainerInitInfo,
@@ -127,11 +127,6 @@ def test_steps_out_of_order_are_refused_with_state_unchanged(
     with pytest.raises(FailedPreconditionError) as finish_first:
         sync.finish_weight_update("T-x")
     assert finish_first.value.reason == "TRANSFER_NOT_STARTED"
-    with pytest.raises(FailedPreconditionError) as again:
-        sync.init_weight_transfer_engine(
-            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
-        )
-    assert again.value.reason == "TRANSFER_ALREADY_INITIALIZED"
     sync.start_weight_update()
     with pytest.raises(EnginectlError) as twice:
         sync.start_weight_update()
@@ -139,6 +134,33 @@ def test_steps_out_of_order_are_refused_with_state_unchanged(
     stubs.ops.CancelOperation(operations_pb2.CancelOperationRequest(name=sync.operation), timeout=10)
     cancelled = stubs.wait(operations_pb2.Operation(name=sync.operation), timeout=30)
     assert "UPDATE_CANCELLED" in str(cancelled.error)
+    assert stubs.version().etag == before.etag
+    assert not stubs.state().paused
+    assert greedy_tokens(weights_server) == tokens_a
+
+
+def test_an_init_that_can_not_take_over_leaves_the_trainers_connection(
+    weights_server: ServeProcess, stubs: Stubs, trainer: Any, sync: WeightSyncClient, tokens_a: list[int]
+) -> None:
+    """docs/weights.md, "A trainer that restarts": an init whose info does not parse, and an
+    init while a round is open, are refused before any worker lets the live trainer's
+    connection go (its next batch still arrives); the refusal names the open round, whose
+    CancelOperation ends it at once, well inside its step timeout (30 s here)."""
+    before = stubs.version()
+    elsewhere = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+    with pytest.raises(InvalidArgumentError) as bad:
+        sync.init_weight_transfer_engine(dict(elsewhere, rank_offset=0))
+    assert bad.value.reason == "TRANSFER_INIT_INVALID"
+    sync.start_weight_update()
+    with pytest.raises(AbortedError) as open_round:
+        sync.init_weight_transfer_engine(elsewhere)
+    refused = open_round.value
+    assert (refused.reason, refused.metadata["operation"]) == ("UPDATE_IN_PROGRESS", sync.operation)
+    assert f"CancelOperation(name={sync.operation!r})" in refused.message, refused.message
+    send_batch(trainer, sync, list(trainer.source))  # the connection both refusals left in place
+    stubs.ops.CancelOperation(operations_pb2.CancelOperationRequest(name=sync.operation), timeout=10)
+    cancelled = stubs.wait(operations_pb2.Operation(name=sync.operation), timeout=15)
+    assert cancelled.done and "UPDATE_CANCELLED" in str(cancelled.error), cancelled
     assert stubs.version().etag == before.etag
     assert not stubs.state().paused
     assert greedy_tokens(weights_server) == tokens_a

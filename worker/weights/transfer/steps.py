@@ -48,7 +48,11 @@ class TransferMixin:
 def _run(worker: Any, step: TransferStep, payload: Any) -> None:
     target: StagingTarget | None = getattr(worker, TARGET, None)  # the open round stages
     if step == TransferStep.INIT:
-        worker.init_weight_transfer_engine(payload)
+        _let_go_for(worker, payload)  # a ValueError here: refused, nothing changed
+        try:
+            worker.init_weight_transfer_engine(payload)
+        except ValueError as exc:  # past the parse: a failure, not a refusal (the old connection is gone)
+            raise RuntimeError(str(exc)) from exc
     elif step == TransferStep.START:
         setattr(worker, TARGET, None)
         if payload:
@@ -73,6 +77,18 @@ def _run(worker: Any, step: TransferStep, payload: Any) -> None:
 
 
 TARGET = "_enginectl_transfer_target"  # the worker's StagingTarget while a staged round is open
+
+
+def _let_go_for(worker: Any, init_info: Any) -> None:
+    """Before an init: the trainer connection in place, if any, is shut down, once the new
+    init info parsed (a ValueError here leaves it as it was). The server inits again only with
+    no round open: a trainer that restarted takes over (server/weights/transfer.py), as vLLM's
+    own init does on plain vLLM. The engine's shutdown is a no-op without a connection."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if engine is None:
+        return  # init_weight_transfer_engine says why
+    engine.parse_init_info(init_info)
+    worker.shutdown_weight_transfer_engine()
 
 
 def _stage_into_target(worker: Any, token: str) -> None:

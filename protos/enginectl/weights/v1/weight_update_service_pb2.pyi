@@ -1725,6 +1725,7 @@ class StagedWeights(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     STAGE_TIME_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    STAGED_BY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """"staged/<id>": pass it to CommitStagedWeights or DiscardStagedWeights."""
     operation: _builtins.str
@@ -1736,6 +1737,11 @@ class StagedWeights(_message.Message):
     tensors: _builtins.int
     """Tensors and bytes staged (as sent or stored, before any cast)."""
     bytes: _builtins.int
+    staged_by: _builtins.str
+    """Who started the stage: its caller's address as gRPC names a peer, and its user agent
+    (e.g. "ipv4:10.0.0.7:51234 (grpc-python/1.76.0 ...)"; "http:HOST:PORT (...)" through an HTTP
+    route). A name for whoever finds the set (a trainer that restarted), not a proof.
+    """
     @_builtins.property
     def fingerprint(self) -> _weight_version_pb2.WeightFingerprint:
         """Digest of the staged bytes on every data-parallel rank (method "staged-crc32"): two
@@ -1760,10 +1766,11 @@ class StagedWeights(_message.Message):
         fingerprint: _weight_version_pb2.WeightFingerprint | None = ...,
         stage_time: _timestamp_pb2.Timestamp | None = ...,
         expire_time: _timestamp_pb2.Timestamp | None = ...,
+        staged_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "expire_time", b"expire_time", "fingerprint", b"fingerprint", "stage_time", b"stage_time", "weight_version", b"weight_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "bytes", b"bytes", "expire_time", b"expire_time", "fingerprint", b"fingerprint", "name", b"name", "operation", b"operation", "source", b"source", "stage_time", b"stage_time", "tensors", b"tensors", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "bytes", b"bytes", "expire_time", b"expire_time", "fingerprint", b"fingerprint", "name", b"name", "operation", b"operation", "source", b"source", "stage_time", b"stage_time", "staged_by", b"staged_by", "tensors", b"tensors", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__weight_version: _TypeAlias = _typing.Literal["weight_version"]  # noqa: Y015
     _WhichOneofArgType__weight_version: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version"]  # noqa: Y015

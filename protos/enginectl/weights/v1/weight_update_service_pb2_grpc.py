@@ -222,7 +222,10 @@ class WeightUpdateServiceServicer:
         TCPStore/PrefixStore; vLLM's default group is never touched. Several engines may join
         one group with different `rank_offset`s. Collective: returns once all `world_size`
         members joined; the trainer must join concurrently. On any error no group is left
-        behind on this engine.
+        behind on this engine. A name that exists is taken over while no update receives
+        through it (a trainer that restarted: the workers leave the old group first; logged and
+        counted, docs/weights.md "A trainer that restarts"), as SGLang's
+        init_weights_update_group replaces a group.
 
         Errors:
         INVALID_ARGUMENT    GROUP_NAME_INVALID     `group_name` empty, over 128 bytes, or not
@@ -237,8 +240,11 @@ class WeightUpdateServiceServicer:
         ServerLimits.max_timeout.
         FAILED_PRECONDITION BACKEND_UNAVAILABLE    `backend` not usable here (NCCL without
         GPUs); see ServerInfo.backends.
-        ALREADY_EXISTS      GROUP_EXISTS           a group with that name exists (or is being
-        created).
+        ALREADY_EXISTS      GROUP_EXISTS           another call is creating (or leaving) a group
+        of that name right now.
+        FAILED_PRECONDITION GROUP_IN_USE           an update is receiving through the group of
+        that name; cancel that Operation
+        (ErrorInfo.metadata["operation"]) first.
         RESOURCE_EXHAUSTED  TOO_MANY_GROUPS        ServerLimits.max_update_groups exist.
         DEADLINE_EXCEEDED   GROUP_TIMEOUT          not every member joined within `timeout`.
         UNAVAILABLE         GROUP_INIT_FAILED      the rendezvous failed (e.g. connection to
@@ -431,10 +437,14 @@ class WeightUpdateServiceServicer:
         a server started without it.
 
         Once per trainer connection: the engine's init info (vLLM's init_weight_transfer_engine),
-        run on every worker of every rank within `timeout`. INVALID_ARGUMENT
-        TRANSFER_INIT_INVALID when the engine refuses the info (nothing changed);
-        FAILED_PRECONDITION TRANSFER_ALREADY_INITIALIZED until ShutdownWeightTransferEngine;
-        DEADLINE_EXCEEDED / INTERNAL TRANSFER_INIT_FAILED when a worker could not connect.
+        run on every worker of every rank within `timeout`. An init while a connection is in
+        place and no round is open takes it over (a trainer that restarted, as on plain vLLM):
+        every worker parses the new info, then shuts the old connection down; logged and
+        counted (docs/weights.md, "A trainer that restarts"). INVALID_ARGUMENT
+        TRANSFER_INIT_INVALID when the engine refuses the info (nothing changed, the connection
+        in place kept); ABORTED UPDATE_IN_PROGRESS while a round is open
+        (ErrorInfo.metadata["operation"]: CancelOperation ends it at once); DEADLINE_EXCEEDED /
+        INTERNAL TRANSFER_INIT_FAILED when a worker could not connect.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

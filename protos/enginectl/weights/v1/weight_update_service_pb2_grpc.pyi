@@ -183,7 +183,10 @@ class WeightUpdateServiceStub:
     TCPStore/PrefixStore; vLLM's default group is never touched. Several engines may join
     one group with different `rank_offset`s. Collective: returns once all `world_size`
     members joined; the trainer must join concurrently. On any error no group is left
-    behind on this engine.
+    behind on this engine. A name that exists is taken over while no update receives
+    through it (a trainer that restarted: the workers leave the old group first; logged and
+    counted, docs/weights.md "A trainer that restarts"), as SGLang's
+    init_weights_update_group replaces a group.
 
     Errors:
       INVALID_ARGUMENT    GROUP_NAME_INVALID     `group_name` empty, over 128 bytes, or not
@@ -198,8 +201,11 @@ class WeightUpdateServiceStub:
                                                  ServerLimits.max_timeout.
       FAILED_PRECONDITION BACKEND_UNAVAILABLE    `backend` not usable here (NCCL without
                                                  GPUs); see ServerInfo.backends.
-      ALREADY_EXISTS      GROUP_EXISTS           a group with that name exists (or is being
-                                                 created).
+      ALREADY_EXISTS      GROUP_EXISTS           another call is creating (or leaving) a group
+                                                 of that name right now.
+      FAILED_PRECONDITION GROUP_IN_USE           an update is receiving through the group of
+                                                 that name; cancel that Operation
+                                                 (ErrorInfo.metadata["operation"]) first.
       RESOURCE_EXHAUSTED  TOO_MANY_GROUPS        ServerLimits.max_update_groups exist.
       DEADLINE_EXCEEDED   GROUP_TIMEOUT          not every member joined within `timeout`.
       UNAVAILABLE         GROUP_INIT_FAILED      the rendezvous failed (e.g. connection to
@@ -360,10 +366,14 @@ class WeightUpdateServiceStub:
     a server started without it.
 
     Once per trainer connection: the engine's init info (vLLM's init_weight_transfer_engine),
-    run on every worker of every rank within `timeout`. INVALID_ARGUMENT
-    TRANSFER_INIT_INVALID when the engine refuses the info (nothing changed);
-    FAILED_PRECONDITION TRANSFER_ALREADY_INITIALIZED until ShutdownWeightTransferEngine;
-    DEADLINE_EXCEEDED / INTERNAL TRANSFER_INIT_FAILED when a worker could not connect.
+    run on every worker of every rank within `timeout`. An init while a connection is in
+    place and no round is open takes it over (a trainer that restarted, as on plain vLLM):
+    every worker parses the new info, then shuts the old connection down; logged and
+    counted (docs/weights.md, "A trainer that restarts"). INVALID_ARGUMENT
+    TRANSFER_INIT_INVALID when the engine refuses the info (nothing changed, the connection
+    in place kept); ABORTED UPDATE_IN_PROGRESS while a round is open
+    (ErrorInfo.metadata["operation"]: CancelOperation ends it at once); DEADLINE_EXCEEDED /
+    INTERNAL TRANSFER_INIT_FAILED when a worker could not connect.
     """
     StartWeightUpdate: _grpc.UnaryUnaryMultiCallable[_weight_update_service_pb2.StartWeightUpdateRequest, _operations_pb2.Operation]
     """Starts one round as an update Operation (source TRANSFER_ENGINE): validated as every
@@ -477,7 +487,10 @@ class WeightUpdateServiceAsyncStub(WeightUpdateServiceStub):
     TCPStore/PrefixStore; vLLM's default group is never touched. Several engines may join
     one group with different `rank_offset`s. Collective: returns once all `world_size`
     members joined; the trainer must join concurrently. On any error no group is left
-    behind on this engine.
+    behind on this engine. A name that exists is taken over while no update receives
+    through it (a trainer that restarted: the workers leave the old group first; logged and
+    counted, docs/weights.md "A trainer that restarts"), as SGLang's
+    init_weights_update_group replaces a group.
 
     Errors:
       INVALID_ARGUMENT    GROUP_NAME_INVALID     `group_name` empty, over 128 bytes, or not
@@ -492,8 +505,11 @@ class WeightUpdateServiceAsyncStub(WeightUpdateServiceStub):
                                                  ServerLimits.max_timeout.
       FAILED_PRECONDITION BACKEND_UNAVAILABLE    `backend` not usable here (NCCL without
                                                  GPUs); see ServerInfo.backends.
-      ALREADY_EXISTS      GROUP_EXISTS           a group with that name exists (or is being
-                                                 created).
+      ALREADY_EXISTS      GROUP_EXISTS           another call is creating (or leaving) a group
+                                                 of that name right now.
+      FAILED_PRECONDITION GROUP_IN_USE           an update is receiving through the group of
+                                                 that name; cancel that Operation
+                                                 (ErrorInfo.metadata["operation"]) first.
       RESOURCE_EXHAUSTED  TOO_MANY_GROUPS        ServerLimits.max_update_groups exist.
       DEADLINE_EXCEEDED   GROUP_TIMEOUT          not every member joined within `timeout`.
       UNAVAILABLE         GROUP_INIT_FAILED      the rendezvous failed (e.g. connection to
@@ -654,10 +670,14 @@ class WeightUpdateServiceAsyncStub(WeightUpdateServiceStub):
     a server started without it.
 
     Once per trainer connection: the engine's init info (vLLM's init_weight_transfer_engine),
-    run on every worker of every rank within `timeout`. INVALID_ARGUMENT
-    TRANSFER_INIT_INVALID when the engine refuses the info (nothing changed);
-    FAILED_PRECONDITION TRANSFER_ALREADY_INITIALIZED until ShutdownWeightTransferEngine;
-    DEADLINE_EXCEEDED / INTERNAL TRANSFER_INIT_FAILED when a worker could not connect.
+    run on every worker of every rank within `timeout`. An init while a connection is in
+    place and no round is open takes it over (a trainer that restarted, as on plain vLLM):
+    every worker parses the new info, then shuts the old connection down; logged and
+    counted (docs/weights.md, "A trainer that restarts"). INVALID_ARGUMENT
+    TRANSFER_INIT_INVALID when the engine refuses the info (nothing changed, the connection
+    in place kept); ABORTED UPDATE_IN_PROGRESS while a round is open
+    (ErrorInfo.metadata["operation"]: CancelOperation ends it at once); DEADLINE_EXCEEDED /
+    INTERNAL TRANSFER_INIT_FAILED when a worker could not connect.
     """
     StartWeightUpdate: _aio.UnaryUnaryMultiCallable[_weight_update_service_pb2.StartWeightUpdateRequest, _operations_pb2.Operation]  # type: ignore[assignment]
     """Starts one round as an update Operation (source TRANSFER_ENGINE): validated as every
@@ -798,7 +818,10 @@ class WeightUpdateServiceServicer(metaclass=_abc_1.ABCMeta):
         TCPStore/PrefixStore; vLLM's default group is never touched. Several engines may join
         one group with different `rank_offset`s. Collective: returns once all `world_size`
         members joined; the trainer must join concurrently. On any error no group is left
-        behind on this engine.
+        behind on this engine. A name that exists is taken over while no update receives
+        through it (a trainer that restarted: the workers leave the old group first; logged and
+        counted, docs/weights.md "A trainer that restarts"), as SGLang's
+        init_weights_update_group replaces a group.
 
         Errors:
           INVALID_ARGUMENT    GROUP_NAME_INVALID     `group_name` empty, over 128 bytes, or not
@@ -813,8 +836,11 @@ class WeightUpdateServiceServicer(metaclass=_abc_1.ABCMeta):
                                                      ServerLimits.max_timeout.
           FAILED_PRECONDITION BACKEND_UNAVAILABLE    `backend` not usable here (NCCL without
                                                      GPUs); see ServerInfo.backends.
-          ALREADY_EXISTS      GROUP_EXISTS           a group with that name exists (or is being
-                                                     created).
+          ALREADY_EXISTS      GROUP_EXISTS           another call is creating (or leaving) a group
+                                                     of that name right now.
+          FAILED_PRECONDITION GROUP_IN_USE           an update is receiving through the group of
+                                                     that name; cancel that Operation
+                                                     (ErrorInfo.metadata["operation"]) first.
           RESOURCE_EXHAUSTED  TOO_MANY_GROUPS        ServerLimits.max_update_groups exist.
           DEADLINE_EXCEEDED   GROUP_TIMEOUT          not every member joined within `timeout`.
           UNAVAILABLE         GROUP_INIT_FAILED      the rendezvous failed (e.g. connection to
@@ -1023,10 +1049,14 @@ class WeightUpdateServiceServicer(metaclass=_abc_1.ABCMeta):
         a server started without it.
 
         Once per trainer connection: the engine's init info (vLLM's init_weight_transfer_engine),
-        run on every worker of every rank within `timeout`. INVALID_ARGUMENT
-        TRANSFER_INIT_INVALID when the engine refuses the info (nothing changed);
-        FAILED_PRECONDITION TRANSFER_ALREADY_INITIALIZED until ShutdownWeightTransferEngine;
-        DEADLINE_EXCEEDED / INTERNAL TRANSFER_INIT_FAILED when a worker could not connect.
+        run on every worker of every rank within `timeout`. An init while a connection is in
+        place and no round is open takes it over (a trainer that restarted, as on plain vLLM):
+        every worker parses the new info, then shuts the old connection down; logged and
+        counted (docs/weights.md, "A trainer that restarts"). INVALID_ARGUMENT
+        TRANSFER_INIT_INVALID when the engine refuses the info (nothing changed, the connection
+        in place kept); ABORTED UPDATE_IN_PROGRESS while a round is open
+        (ErrorInfo.metadata["operation"]: CancelOperation ends it at once); DEADLINE_EXCEEDED /
+        INTERNAL TRANSFER_INIT_FAILED when a worker could not connect.
         """
 
     @_abc_1.abstractmethod
