@@ -226,6 +226,9 @@ class Commands:
     def fleet_verify(self) -> int:
         return fleet.verify(self.args, self.options, self.out)
 
+    def fleet_repair(self) -> int:
+        return fleet.repair(self.args, self.options, self.out)
+
     # --- gateway ----------------------------------------------------------------------
     def gateway_register(self) -> int:
         return gateway.register(self.args, self.options, self.out)

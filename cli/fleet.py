@@ -1,4 +1,4 @@
-"""`enginectl fleet status|update|verify --targets A,B,...`: a fleet of servers from a terminal
+"""`enginectl fleet status|update|verify|repair --targets A,B,...`: a fleet of servers from a terminal
 or a script (enginectl.client.Fleet; docs/cli.md, "Fleet").
 
 Runs in the `enginectl` process. A table on a terminal, one JSON document with `-o json` (or
@@ -18,13 +18,20 @@ from enginectl.cli.output import Output, human_seconds, table
 from enginectl.client.client import ChannelOptions
 from enginectl.client.errors import EnginectlError
 from enginectl.client.fleet import MODES, Fleet
-from enginectl.client.fleet_types import FleetCommit, FleetError, FleetStageError, FleetStatus, ServerOutcome
+from enginectl.client.fleet_types import (
+    FleetCommit,
+    FleetError,
+    FleetStageError,
+    FleetStatus,
+    ServerOutcome,
+    ServerStatus,
+)
 from enginectl.client.trainer_types import Verification
 
 
 def add_commands(sub: Any, group: Any, leaf: Any) -> None:
     """The `fleet` command and its verbs (args.py passes its own helpers)."""
-    verbs = group(sub, "fleet", "many servers, one version: status, two-phase update, verify")
+    verbs = group(sub, "fleet", "many servers, one version: status, two-phase update, verify, repair")
     status = leaf(verbs, "status", "every server's version, health, generation state and staged set", "--targets A,B")
     update = leaf(
         verbs,
@@ -45,7 +52,14 @@ def add_commands(sub: Any, group: Any, leaf: Any) -> None:
     )
     verify = leaf(verbs, "verify", "VerifyWeights on every server", "--targets A,B [--full]")
     verify.add_argument("--full", action="store_true", help="hash every byte (default: sample every tensor)")
-    for parser in (status, update, verify):
+    repair = leaf(
+        verbs,
+        "repair",
+        "bring quarantined, held or paused servers to the fleet's version, from what the servers hold",
+        "--targets A,B [--version V]",
+    )
+    repair.add_argument("--version", help="the version to repair to (default: the one the servers name)")
+    for parser in (status, update, verify, repair):
         parser.add_argument("--targets", metavar="A,B,...", help="the servers (default: --target)")
 
 
@@ -63,6 +77,8 @@ def status(args: argparse.Namespace, options: ChannelOptions, out: Output) -> in
     with Fleet(targets(args), **options) as fleet:
         state = fleet.status()
     document = dataclasses.asdict(state) | {"consistent": state.consistent}
+    for target, server in state.servers.items():
+        document["servers"][target]["quarantined"] = server.quarantined
     out.show(document, lambda _: _status_view(state))
     unreachable = any(s.error is not None for s in state.servers.values())
     return ExitCode.UNAVAILABLE if unreachable else ExitCode.OK
@@ -80,6 +96,20 @@ def update(args: argparse.Namespace, options: ChannelOptions, out: Output) -> in
             out.show(_outcomes_document(step, args.version, outcomes), lambda _: _outcomes_view(outcomes))
             return ExitCode.ERROR
     out.show(_commit_document(commit), lambda _: _outcomes_view(commit.outcomes))
+    return ExitCode.OK
+
+
+def repair(args: argparse.Namespace, options: ChannelOptions, out: Output) -> int:
+    """Fleet.repair from a fresh process: what to do is read from the servers."""
+    with Fleet(targets(args), **options) as fleet:
+        try:
+            done = fleet.repair(args.version)
+        except FleetError as err:
+            print(f"enginectl: {err.args[0]}", file=sys.stderr)
+            outcomes = err.outcomes
+            out.show(_outcomes_document("repair", args.version, outcomes), lambda _: _outcomes_view(outcomes))
+            return ExitCode.ERROR
+    out.show(_commit_document(done), lambda _: _outcomes_view(done.outcomes) if done.outcomes else "nothing to repair")
     return ExitCode.OK
 
 
@@ -110,11 +140,31 @@ def _status_view(state: FleetStatus) -> str:
         staged = s.staged.name.removeprefix("staged/")[:12] if s.staged else "-"
         ages = " ".join(f"r{r.dp_rank}:{human_seconds(r.age_s)}" for r in s.ranks) or "-"
         revision = s.version.revision if s.version else "-"
-        rows.append((target, "SERVING" if s.serving else "NOT_SERVING", version, revision, generation, staged, ages))
+        health = "QUARANTINED" if s.quarantined else "SERVING" if s.serving else "NOT_SERVING"
+        rows.append((target, health, version, revision, generation, staged, ages))
+    notes = [_server_notes(t, s) for t, s in state.servers.items()]
     verdict = "consistent" if state.consistent else f"NOT consistent (versions: {sorted(map(str, state.versions))})"
     return (
-        table(("TARGET", "HEALTH", "VERSION", "REV", "GENERATION", "STAGED", "FPM AGE"), rows) + f"\n\nfleet: {verdict}"
+        table(("TARGET", "HEALTH", "VERSION", "REV", "GENERATION", "STAGED", "FPM AGE"), rows)
+        + "".join(n for n in notes if n)
+        + f"\n\nfleet: {verdict}"
     )
+
+
+def _server_notes(target: str, s: ServerStatus) -> str:
+    """A server's last failure and who staged its set, when there is one."""
+    lines = []
+    if s.last_failure is not None:
+        f = s.last_failure
+        lines.append(
+            f"  last failure: {f.cause or f.reason} in {f.operation or '-'} (attempted {f.attempted_version!r})"
+        )
+    if s.staged is not None:
+        when = s.staged.stage_time.isoformat(timespec="seconds") if s.staged.stage_time else "staging"
+        lines.append(
+            f"  staged: {s.staged.name} ({s.staged.weight_version!r}) at {when} by {s.staged.staged_by or '-'}"
+        )
+    return f"\n{target}\n" + "\n".join(lines) if lines else ""
 
 
 def _outcomes_view(outcomes: dict[str, ServerOutcome]) -> str:

@@ -14,7 +14,8 @@ writer of its fleet's version, and every server's own two-phase update does the 
    the versions it was generated under). A server whose commit failed after writing began is
    quarantined by the server itself (paused, undeclared, gRPC health NOT_SERVING); one whose
    commit failed before writing is held paused on its old weights by the fleet. `repair()`
-   re-commits the kept staged set on both kinds.
+   re-commits the kept staged set on both kinds, from what the servers hold
+   (fleet_repair.py): a trainer that restarted repairs with a new `Fleet(targets)`.
 3. `status()` joins every server's version, generation state, staged set and health, and,
    given a Planner, the age of each rank's newest forward-pass-metrics sample.
 
@@ -36,6 +37,7 @@ import grpc
 from enginectl.client._sync import LoopOwner, blocking, forwarded
 from enginectl.client.client import ChannelOptions
 from enginectl.client.errors import EnginectlError, Reason
+from enginectl.client.fleet_repair import RepairUnclear, repair_version, repairs
 from enginectl.client.fleet_servers import FleetServers
 from enginectl.client.fleet_transfer import FleetTransfer
 from enginectl.client.fleet_types import (
@@ -315,26 +317,58 @@ class AsyncFleet:
             return ServerOutcome(target, answer, state=state)
         return ServerOutcome(target, result=answer)
 
-    async def repair(self, timeout: float | None = None) -> FleetCommit:
-        """Re-commit the kept staged set on every server whose last commit failed, fenced by
-        its version now, and resume it. Returns the repaired servers' outcomes."""
-        last, stage = self.last_commit, self.last_stage
-        if last is None or stage is None or last.ok:
-            return FleetCommit(last.version if last else None, "repair", {})
+    async def repair(self, version: str | None = None, *, timeout: float | None = None) -> FleetCommit:
+        """Bring every server to the fleet's version from what the servers hold (fleet_repair.py),
+        so a fresh process repairs as well as the one whose commit failed: a quarantined or held
+        server re-commits its staged set, fenced by its version now, and resumes; a server left
+        paused on the version resumes. `version`: the one to repair to (default: this process's
+        last failed commit's, else the one the servers name). Returns the repaired servers'
+        outcomes; raises FleetCommitError naming each server it could not repair, and
+        FleetError when the servers can not be read or name no one version."""
+        status = await self.status()
+        unread = {t: ServerOutcome(t, s.error) for t, s in status.servers.items() if s.error is not None}
+        if unread:
+            raise FleetError("could not read every server; nothing was repaired", unread)
+        last = self.last_commit
+        if version is None and last is not None and not last.ok:
+            version = last.version
+        if version is None:
+            if status.consistent:
+                return FleetCommit(next(iter(status.versions)), "repair", {})
+            try:
+                version = repair_version(status)
+            except RepairUnclear as err:
+                raise FleetError(str(err), {}) from None
+        plan = repairs(status, version)
+        stuck = {
+            t: ServerOutcome(t, EnginectlError(grpc.StatusCode.FAILED_PRECONDITION, r.why, Reason.NOT_REPAIRABLE))
+            for t, r in plan.items()
+            if not r.action
+        }
 
-        async def again(target: str, client: AsyncTrainerClient) -> UpdateResult:
-            now = await client.get_weight_version()
-            staged = stage.staged[target]
-            result = await client.commit_staged_weights(staged.name, last.version, etag=now.etag, timeout=timeout)
+        async def again(target: str, client: AsyncTrainerClient) -> UpdateResult | None:
+            result = None
+            if plan[target].action == "commit":
+                now = await client.get_weight_version()
+                committed = await client.commit_staged_weights(
+                    plan[target].staged, version, etag=now.etag, timeout=timeout
+                )
+                assert isinstance(committed, UpdateResult)  # waited for (no `wait=False`)
+                result = committed
             await client.resume_generation()  # the fleet's barrier pause, if it still holds
-            return result  # type: ignore[return-value]
+            return result
 
-        answers = await self._servers.each(again, list(last.failed))
-        repaired = {t: self._commit_outcome(t, a) for t, a in answers.items()}
-        self.last_commit = FleetCommit(last.version, last.mode, {**last.outcomes, **repaired})
-        if not all(o.ok for o in repaired.values()):
-            raise FleetCommitError("repair failed on some server", repaired)
-        return FleetCommit(last.version, "repair", repaired)
+        answers = await self._servers.each(again, [t for t, r in plan.items() if r.action])
+        repaired = {
+            t: self._commit_outcome(t, a) if isinstance(a, EnginectlError) else ServerOutcome(t, result=a)
+            for t, a in answers.items()
+        }
+        if last is not None and last.version == version:
+            self.last_commit = FleetCommit(version, last.mode, {**last.outcomes, **repaired})
+        outcomes = {**repaired, **stuck}
+        if not all(o.ok for o in outcomes.values()):
+            raise FleetCommitError("repair failed on some server", outcomes)
+        return FleetCommit(version, "repair", repaired)
 
     async def update_from_disk(
         self, path: str, version: str, *, mode: str = "strict", fence: bool = True, progress: bool = False

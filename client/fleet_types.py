@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from enginectl.client.errors import EnginectlError
 from enginectl.client.trainer_types import GenerationState, StagedWeights, UpdateOperation, UpdateResult
-from enginectl.client.types import WeightVersion
+from enginectl.client.types import UpdateFailure, WeightVersion
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,19 @@ class ServerStatus:
 
     @property
     def staged(self) -> StagedWeights | None:
+        """The set it holds staged (with who staged it and when), if any."""
         return self.generation.staged if self.generation is not None else None
+
+    @property
+    def last_failure(self) -> UpdateFailure | None:
+        """Why its last update failed after it began writing (None: it did not)."""
+        return self.version.last_failure if self.version is not None else None
+
+    @property
+    def quarantined(self) -> bool:
+        """Its last update failed after writing began: undeclared and NOT_SERVING until an update
+        succeeds (docs/operations.md, "Quarantine")."""
+        return self.last_failure is not None and self.version is not None and not self.version.declared
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,12 @@
 docs/weights.md, "The fleet").
 
 Both servers start on checkpoint A and may load A and B (the session's `checkpoints`). Server
-Y runs with ENGINECTL_TEST_FAULT=commit-once,report-lost-once: its first commit fails after
-writing began, and its first stage never reports its end on the progress channel. Those are
+Y runs with ENGINECTL_TEST_FAULT=commit-1,commit-3,report-lost-once: its first and third
+commits fail after writing began (the second and third tests' commits; each test's repair is
+the commit between), and its first stage never reports its end on the progress channel. Those are
 fakes, and the only ones here: a commit reads tensors already in memory, and no real fault makes
 it fail half-way on demand; a report lost in transit (ZMQ dropping a queued frame, a worker
-giving up on a stalled server) is a race. The first two tests use them; every other fault is
+giving up on a stalled server) is a race. The first three tests use them; every other fault is
 real (a set already staged, a stale etag, a refused request). Tests run in order and each leaves both
 servers serving A, running, SERVING, with nothing staged. Both serve vLLM's transfer engine
 `gloo` (--weight-transfer-config), which the fleet drives as vLLM's trainer-side API's client.
@@ -18,8 +19,10 @@ import contextlib
 import json
 import random
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from support.fault_helpers import HEALTH_SERVICES, NOT_SERVING, SERVING, Child, health
@@ -39,6 +42,8 @@ from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_version_pb2 as wv
 from enginectl.weights.v1 import weight_version_service_pb2 as vpb
 
+FLEET_TRAINER = Path(__file__).parents[1] / "support" / "fleet_trainer_proc.py"
+
 
 @pytest.fixture(scope="module")
 def servers(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[tuple[ServeProcess, ServeProcess]]:
@@ -46,7 +51,7 @@ def servers(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[tup
     args += ["--weight-transfer-config", '{"backend": "gloo"}']  # vLLM's flag: the `transfer` fixture's engine
     x = ServeProcess(args, dict(serve_env, VLLM_SERVER_DEV_MODE="1")).start()
     y = ServeProcess(
-        args, dict(serve_env, VLLM_SERVER_DEV_MODE="1", ENGINECTL_TEST_FAULT="commit-once,report-lost-once")
+        args, dict(serve_env, VLLM_SERVER_DEV_MODE="1", ENGINECTL_TEST_FAULT="commit-1,commit-3,report-lost-once")
     ).start()
     try:
         x.wait_ready()
@@ -140,6 +145,59 @@ def test_a_stage_whose_end_report_is_lost_still_ends(
         assert c.discard_staged_weights(staged.name) == staged.bytes
     assert any(e.get("event") == "staging ended without every worker's report" for e in y.events())
     assert greedy_tokens(y) == tokens["A"]
+
+
+def test_a_fresh_process_repairs_what_a_killed_trainer_left(
+    servers: tuple[ServeProcess, ServeProcess], checkpoints: Checkpoints, tokens: dict[str, list[int]]
+) -> None:
+    """The trainer (tests/support/fleet_trainer_proc.py) commits a fleet update, Y's commit
+    fails after writing began (Y's first injected fault), and the trainer dies before any
+    repair. A Fleet built from the targets alone sees Y's quarantine, its last failure and the
+    set it still holds (who staged it, when); `enginectl fleet repair`, another new process,
+    brings Y to the version the servers name (docs/weights.md, "A trainer that restarts")."""
+    x, y = servers
+    targets = [s.grpc_target for s in servers]
+    died = subprocess.run(
+        [sys.executable, str(FLEET_TRAINER), ",".join(targets), str(checkpoints.b), "fleet-killed"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert died.returncode == 1, died.stderr[-3000:]
+    assert json.loads(died.stdout.strip().splitlines()[-1])["outcomes"] == {
+        x.grpc_target: "ok",
+        y.grpc_target: "quarantined",
+    }
+
+    with Fleet(targets, timeout=120.0) as fresh:
+        status = fresh.status()
+    left = status.servers[y.grpc_target]
+    assert left.quarantined and not left.serving and not status.servers[x.grpc_target].quarantined
+    assert left.last_failure is not None and left.last_failure.reason == Reason.PARTIAL_UPDATE
+    assert left.last_failure.attempted_version == "fleet-killed"
+    assert left.staged is not None and left.staged.weight_version == "fleet-killed"
+    assert left.staged.staged_by.startswith("ipv") and left.staged.stage_time is not None
+    shown = enginectl(servers, "fleet", "status", "--targets", ",".join(targets))
+    assert json.loads(shown.stdout)["servers"][y.grpc_target]["quarantined"] is True
+
+    repaired = enginectl(servers, "fleet", "repair", "--targets", ",".join(targets))
+    assert repaired.returncode == 0, (repaired.stderr, repaired.stdout)
+    document = json.loads(repaired.stdout)
+    assert (document["mode"], document["version"], list(document["servers"])) == (
+        "repair",
+        "fleet-killed",
+        [y.grpc_target],
+    )
+    for srv in servers:
+        assert stubs(srv).version().version == "fleet-killed" and not stubs(srv).state().paused
+        assert health(stubs(srv)) == {name: SERVING for name in HEALTH_SERVICES}
+        assert greedy_tokens(srv) == tokens["B"]
+    with Fleet(targets, timeout=120.0) as fresh:
+        assert fresh.status().consistent
+        assert fresh.repair().outcomes == {}  # nothing left to do
+        for verdict in fresh.verify(full=True).values():
+            assert verdict.verdict == "MATCH"  # type: ignore[union-attr]
 
 
 def test_a_failed_commit_quarantines_one_server_and_repair_brings_it_back(
