@@ -302,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = take_config(args)
     configure_logging(config.log_json)
+    if getattr(args, "headless", False):  # this node's EngineCores only (server/headless.py)
+        from enginectl.server import headless
+
+        return headless.run(args, config)
     import uvloop
 
     return uvloop.run(serve(args, config))
