@@ -159,12 +159,12 @@ def _server_notes(target: str, s: ServerStatus) -> str:
         lines.append(
             f"  last failure: {f.cause or f.reason} in {f.operation or '-'} (attempted {f.attempted_version!r})"
         )
-    if s.staged is not None:
-        when = s.staged.stage_time.isoformat(timespec="seconds") if s.staged.stage_time else "staging"
-        lines.append(
-            f"  staged: {s.staged.name} ({s.staged.weight_version!r}) at {when} by {s.staged.staged_by or '-'}"
-        )
-    return f"\n{target}\n" + "\n".join(lines) if lines else ""
+    staged = s.staged
+    if staged is not None:
+        when = f"staged {staged.stage_time.isoformat(timespec='seconds')}" if staged.stage_time else "still staging"
+        by = f" by {staged.staged_by}" if staged.staged_by else ""
+        lines.append(f"  staged set: {staged.name} (version {staged.weight_version!r}), {when}{by}")
+    return f"\n\n{target}:\n" + "\n".join(lines) if lines else ""
 
 
 def _outcomes_view(outcomes: dict[str, ServerOutcome]) -> str:

@@ -8,13 +8,11 @@ vLLM's own `set_weight_version_async` and `collective_rpc_async` go through
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from support.serving import ServeProcess, alive
-from support.weights import Checkpoints
+from support.weights import Checkpoints, generate_on_rank
 
 from e2e.own_servers import own_checkpoints
 from enginectl.client import Client
@@ -39,24 +37,13 @@ def dp_server(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[S
     srv.kill()
 
 
-def _generate_on_rank(server: ServeProcess, rank: int) -> dict:
-    body = json.dumps({"token_ids": [1, 43, 375, 82], "sampling_params": {"max_tokens": 4, "temperature": 0.0}})
-    request = urllib.request.Request(
-        f"{server.http_url}/inference/v1/generate",
-        data=body.encode(),
-        headers={"content-type": "application/json", "X-data-parallel-rank": str(rank)},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.load(response)["choices"][0]
-
-
 def test_declared_version_stamps_outputs_of_both_ranks(dp_server: ServeProcess) -> None:
     assert dp_server.serving["dp_size"] == 2
     with Client(dp_server.grpc_target) as c:
         for version in ("dp-a", "dp-b"):
             c.set_weight_version(version)
             for rank in (0, 1):
-                choice = _generate_on_rank(dp_server, rank)
+                choice = generate_on_rank(dp_server, rank)
                 n = len(choice["token_ids"])
                 assert choice["weight_versions"] == [{"version": version, "start": 0, "end": n}], rank
 
@@ -73,7 +60,7 @@ def test_one_update_reaches_both_ranks(dp_server: ServeProcess, checkpoints: Che
     channel = grpc.insecure_channel(dp_server.grpc_target)
     updates, ops = upb_grpc.WeightUpdateServiceStub(channel), operations_pb2_grpc.OperationsStub(channel)
     versions = vpb_grpc.WeightVersionServiceStub(channel)
-    before = {rank: _generate_on_rank(dp_server, rank)["token_ids"] for rank in (0, 1)}
+    before = {rank: generate_on_rank(dp_server, rank)["token_ids"] for rank in (0, 1)}
     assert before[0] == before[1]  # both ranks serve checkpoint A
 
     op = updates.UpdateWeightsFromDisk(upb.UpdateWeightsFromDiskRequest(path=str(checkpoints.b), weight_version="dp-B"))
@@ -83,7 +70,7 @@ def test_one_update_reaches_both_ranks(dp_server: ServeProcess, checkpoints: Che
     n = len(checkpoints.state_dict("B"))
     assert [(r.dp_rank, r.tensors_loaded) for r in response.ranks] == [(0, n), (1, n)]
 
-    after = {rank: _generate_on_rank(dp_server, rank) for rank in (0, 1)}
+    after = {rank: generate_on_rank(dp_server, rank) for rank in (0, 1)}
     assert after[0]["token_ids"] == after[1]["token_ids"] != before[0]
     for rank in (0, 1):
         assert after[rank]["weight_versions"][0]["version"] == "dp-B"

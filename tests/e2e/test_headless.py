@@ -13,15 +13,13 @@ liveness) needs the two-node harness of DESIGN §13 and is not shown here.
 
 from __future__ import annotations
 
-import json
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from support.serving import BIN, ServeProcess, alive
-from support.weights import Checkpoints
+from support.weights import Checkpoints, generate_on_rank
 
 from bench.lib import harness
 from bench.lib.procs import free_port
@@ -59,17 +57,6 @@ def nodes(serve_env: dict[str, str], checkpoints: Checkpoints) -> Iterator[tuple
         head.kill()
 
 
-def generate(server: ServeProcess, rank: int) -> dict[str, Any]:
-    body = json.dumps({"token_ids": [1, 43, 375, 82], "sampling_params": {"max_tokens": 4, "temperature": 0.0}})
-    request = urllib.request.Request(
-        f"{server.http_url}/inference/v1/generate",
-        data=body.encode(),
-        headers={"content-type": "application/json", "X-data-parallel-rank": str(rank)},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return dict(json.load(response)["choices"][0])
-
-
 def test_the_headless_node_runs_rank_1_as_enginectl(
     nodes: tuple[ServeProcess, HeadlessNode], checkpoints: Checkpoints
 ) -> None:
@@ -82,7 +69,7 @@ def test_the_headless_node_runs_rank_1_as_enginectl(
     assert head.serving["dp_size"] == 2
     with TrainerClient(head.grpc_target, timeout=120.0) as c:
         c.set_weight_version("headless-a")
-        choice = generate(head, 1)
+        choice = generate_on_rank(head, 1)
         assert choice["weight_versions"][0]["version"] == "headless-a"
         result = c.update_weights_from_disk(str(checkpoints.b), "headless-B")
         assert [r.dp_rank for r in result.ranks] == [0, 1]
@@ -92,7 +79,7 @@ def test_the_headless_node_runs_rank_1_as_enginectl(
             (0, "MATCH"),
             (1, "MATCH"),
         ]
-        assert generate(head, 0)["token_ids"] == generate(head, 1)["token_ids"]
+        assert generate_on_rank(head, 0)["token_ids"] == generate_on_rank(head, 1)["token_ids"]
         paused = c.pause_generation("keep")
         assert [(r.dp_rank, r.paused) for r in paused.state.ranks] == [(0, True), (1, True)]
         c.resume_generation()

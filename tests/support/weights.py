@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 from google.longrunning import operations_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from enginectl.weights.v1 import weight_update_service_pb2 as upb
 from enginectl.weights.v1 import weight_update_service_pb2_grpc as upb_grpc
@@ -93,6 +94,32 @@ def greedy_tokens(
     )
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return list(json.load(response)["choices"][0]["token_ids"])
+
+
+def generate_on_rank(server: ServeProcess, rank: int, max_tokens: int = 4) -> dict[str, Any]:
+    """One greedy `/inference/v1/generate` choice from data-parallel rank `rank` (vLLM's
+    X-data-parallel-rank header; with --enable-scale-out it names its `weight_versions`)."""
+    body = json.dumps(
+        {"token_ids": [1, 43, 375, 82], "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0}}
+    )
+    request = urllib.request.Request(
+        f"{server.http_url}/inference/v1/generate",
+        data=body.encode(),
+        headers={"content-type": "application/json", "X-data-parallel-rank": str(rank)},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return dict(json.load(response)["choices"][0])
+
+
+def takeovers(server: ServeProcess, resource: str) -> float:
+    """enginectl_takeovers_total{resource=...} on the server's /metrics (docs/metrics.md)."""
+    with urllib.request.urlopen(f"{server.http_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "enginectl_takeovers_total" and sample.labels == {"resource": resource}:
+                return float(sample.value)
+    raise AssertionError("enginectl_takeovers_total is not on /metrics")
 
 
 def _build_b(a: Path, b: Path) -> None:

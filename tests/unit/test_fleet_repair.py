@@ -1,4 +1,5 @@
-"""What Fleet.repair does, decided from the servers' state alone (client/fleet_repair.py).
+"""What Fleet.repair does, decided from the servers' state alone (client/fleet_repair.py), and
+how `enginectl fleet status` shows what a repair reads (cli/fleet.py).
 
 Plain FleetStatus values, as `Fleet.status()` reads them from real servers after the failures
 tests/e2e/test_fleet.py causes; the e2e tests run the repairs themselves.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from enginectl.cli.fleet import _status_view
 from enginectl.client.errors import EnginectlError
 from enginectl.client.fleet_repair import Repair, RepairUnclear, repair_version, repairs
 from enginectl.client.fleet_types import FleetStatus, ServerStatus
@@ -77,3 +79,10 @@ def test_an_unreadable_server_is_named() -> None:
     gone = ServerStatus("y", False, error=EnginectlError(grpc.StatusCode.UNAVAILABLE, "down"))
     plan = repairs(fleet(server("x", "v2"), gone), "v2")
     assert plan == {"y": Repair("y", "", why="could not be read: UNAVAILABLE: down")}
+
+
+def test_fleet_status_on_a_terminal_marks_the_quarantine_and_what_the_server_holds() -> None:
+    shown = _status_view(fleet(server("x", "v2"), server("y", None, paused=True, failed="v2", holds="v2")))
+    assert "QUARANTINED" in shown and "NOT consistent" in shown
+    assert "last failure: PARTIAL_UPDATE in operations/1 (attempted 'v2')" in shown
+    assert "staged set: staged/s (version 'v2'), still staging" in shown

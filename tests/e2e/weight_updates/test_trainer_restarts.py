@@ -18,11 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
-from prometheus_client.parser import text_string_to_metric_families
 from support.serving import ServeProcess
 from support.weight_updates import Stubs
-from support.weights import Checkpoints, greedy_tokens
+from support.weights import Checkpoints, greedy_tokens, takeovers
 
 from enginectl.client import TrainerClient
 from enginectl.client.errors import FailedPreconditionError
@@ -43,15 +41,6 @@ def run_trainer(server: ServeProcess, file: Path, mode: str, group: str, *versio
     )
     assert proc.returncode == (0 if mode == "full" else 1), proc.stderr[-3000:]
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
-
-
-def takeovers(server: ServeProcess, resource: str) -> float:
-    text = requests.get(f"{server.http_url}/metrics", timeout=30).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "enginectl_takeovers_total" and sample.labels == {"resource": resource}:
-                return float(sample.value)
-    raise AssertionError("enginectl_takeovers_total is not on /metrics")
 
 
 def test_a_group_whose_trainer_died_is_created_again_by_name_and_feeds_an_update(

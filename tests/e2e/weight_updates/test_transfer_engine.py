@@ -21,10 +21,9 @@ from typing import Any
 import pytest
 import requests
 from google.longrunning import operations_pb2
-from prometheus_client.parser import text_string_to_metric_families
 from support.serving import ServeProcess
 from support.weight_updates import Stubs
-from support.weights import Checkpoints, greedy_tokens
+from support.weights import Checkpoints, greedy_tokens, takeovers
 from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
@@ -60,16 +59,6 @@ def run_trainer(server: ServeProcess, file: str, mode: str, *version: str) -> di
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def takeovers(server: ServeProcess) -> float:
-    """enginectl_takeovers_total{resource="transfer_engine"} on the server's /metrics."""
-    text = requests.get(f"{server.http_url}/metrics", timeout=30).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "enginectl_takeovers_total" and sample.labels == {"resource": "transfer_engine"}:
-                return float(sample.value)
-    raise AssertionError("enginectl_takeovers_total is not on /metrics")
-
-
 def test_a_trainer_killed_mid_round_leaves_the_weights_untouched_and_its_successor_takes_over(
     weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints, tokens_a: list[int], tokens_b: list[int]
 ) -> None:
@@ -90,7 +79,7 @@ def test_a_trainer_killed_mid_round_leaves_the_weights_untouched_and_its_success
     assert greedy_tokens(weights_server) == tokens_a
     assert stubs.verify(full=True).verdict == vpb.VERIFY_VERDICT_MATCH
 
-    counted = takeovers(weights_server)
+    counted = takeovers(weights_server, "transfer_engine")
     run_trainer(weights_server, str(checkpoints.file("B")), "full", "T-successor")
     assert greedy_tokens(weights_server) == tokens_b
     version = stubs.version()
@@ -100,7 +89,7 @@ def test_a_trainer_killed_mid_round_leaves_the_weights_untouched_and_its_success
         wv.WEIGHT_SOURCE_TRANSFER_ENGINE,
     )
     assert stubs.verify(full=True).verdict == vpb.VERIFY_VERDICT_MATCH
-    assert takeovers(weights_server) == counted + 1
+    assert takeovers(weights_server, "transfer_engine") == counted + 1
     taken = [e for e in weights_server.events() if e.get("event") == "transfer engine taken over"]
     assert taken and taken[-1]["previous_caller"].startswith("http:127.0.0.1:"), taken
     assert taken[-1]["previous_init_time"] and taken[-1]["caller"].startswith("http:127.0.0.1:")
