@@ -187,7 +187,7 @@ def _weights_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "[--full]",
     )
     verify.add_argument("--full", action="store_true", help="hash every byte (default: sample every tensor)")
-    _leaf(verbs, "info", "GetServerInfo: model, parallelism, update backends, limits")
+    _leaf(verbs, "info", "GetServerInfo: model, parallelism, update backends, limits, where each rank runs")
 
 
 def _generation_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

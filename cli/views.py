@@ -193,7 +193,7 @@ def _(v: Verification) -> str:
 
 @render.register
 def _(info: ServerInfo) -> str:
-    return fields(
+    about = fields(
         [
             ("Model", info.model),
             ("Served model names", info.served_model_names),
@@ -210,6 +210,13 @@ def _(info: ServerInfo) -> str:
             ("Supported RPCs", info.supported_rpcs),
         ]
     )
+    if not info.ranks:
+        return about
+    rows = [
+        (r.dp_rank, r.host, "yes" if r.local else "no (another node)", r.num_workers, r.enginectl_version)
+        for r in info.ranks
+    ]
+    return _blocks(about, table(("RANK", "HOST", "LOCAL", "WORKERS", "ENGINECTL"), rows))
 
 
 def _generation(state: GenerationState, extra: Sequence[tuple[str, object]] = ()) -> str:

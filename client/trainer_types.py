@@ -267,6 +267,18 @@ class PauseResult:
 
 
 @dataclass(frozen=True)
+class RankInfo:
+    """One data-parallel rank as the server's start-up census found it (docs/multinode.md)."""
+
+    dp_rank: int
+    host: str
+    local: bool  # on the server's host
+    enginectl_version: str
+    num_workers: int
+    enginectl_scheduler: bool
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     """What GetServerInfo says about the server (the fields a trainer needs)."""
 
@@ -285,6 +297,7 @@ class ServerInfo:
     supported_rpcs: tuple[str, ...]
     max_staged_bytes: int = 0  # two-phase updates: the largest staged set (0: not offered)
     staged_ttl: float = 0.0  # seconds a staged set is kept
+    ranks: tuple[RankInfo, ...] = ()  # every DP rank: where it runs
 
     @classmethod
     def from_proto(cls, msg: pb2.GetServerInfoResponse) -> ServerInfo:
@@ -304,6 +317,10 @@ class ServerInfo:
             supported_rpcs=tuple(msg.supported_rpcs),
             max_staged_bytes=msg.staging.max_staged_bytes,
             staged_ttl=msg.staging.ttl.ToTimedelta().total_seconds(),
+            ranks=tuple(
+                RankInfo(r.dp_rank, r.host, r.local, r.enginectl_version, r.num_workers, r.enginectl_scheduler)
+                for r in msg.ranks
+            ),
         )
 
 

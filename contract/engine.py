@@ -84,6 +84,8 @@ class Utility(str, enum.Enum):
     # stops the rank's executor and says so (worker/engine_core.py, docs/architecture.md
     # "Worker calls and their deadlines").
     WORKER_CALL = "enginectl_worker_call"
+    # The start-up census: what runs on this rank, where (a RankCensus; server/census.py).
+    CENSUS = "enginectl_census"
 
 
 class WorkerRpc(str, enum.Enum):
@@ -109,6 +111,8 @@ class WorkerRpc(str, enum.Enum):
     # After a load, before generation resumes: every layer computes finite values; after a
     # partial update, the KV cache is zeroed too (worker/weights/checks.py).
     CHECK_LOADED = "enginectl_check_loaded"
+    # The start-up census of one worker (a WorkerCensus), asked by its EngineCore's CENSUS.
+    CENSUS = "enginectl_census"
 
 
 # enginectl's weight-transfer engine, in vLLM's factory (worker/weights/transfer/engine.py).
@@ -195,6 +199,32 @@ class RankGenerationState(msgspec.Struct, frozen=True):
     paused: bool
     running: int = 0
     waiting: int = 0
+
+
+class WorkerCensus(msgspec.Struct, frozen=True):
+    """One worker in the start-up census: where it runs and which enginectl it has."""
+
+    dp_rank: int
+    worker_rank: int
+    hostname: str
+    boot_id: str
+    enginectl_version: str
+
+
+class RankCensus(msgspec.Struct, frozen=True):
+    """One DP rank in the start-up census (server/census.py): its EngineCore's enginectl,
+    scheduler and host, and every worker's census, or why the workers could not answer (a
+    worker without enginectl's extension)."""
+
+    dp_rank: int
+    enginectl_version: str
+    enginectl_scheduler: bool  # enginectl's scheduler runs (FPM samples, identity, pauses)
+    scheduler: str  # the scheduler class, as "module.Class"
+    hostname: str
+    boot_id: str
+    pid: int
+    workers: list[WorkerCensus] = msgspec.field(default_factory=list)
+    workers_error: str = ""
 
 
 class FinishUpdate(msgspec.Struct, frozen=True):

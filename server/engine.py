@@ -38,6 +38,7 @@ from enginectl.contract.engine import (
     LoadPlan,
     LoadResult,
     PauseReason,
+    RankCensus,
     RankFailure,
     RankGenerationState,
     RankIdentity,
@@ -399,6 +400,14 @@ class EngineAdapter:
         """Every worker leaves the update group `name`, or gives up joining it (a no-op where
         it is unknown)."""
         await self._worker_calls.call_per_rank(WorkerRpc.DESTROY_GROUP, name, timeout=QUICK_RPC_TIMEOUT_S + 1)
+
+    # --- the start-up census ------------------------------------------------------------
+
+    async def census(self, timeout: float) -> list[RankOutcome[RankCensus]]:
+        """What runs on every rank, and where (server/census.py); each rank bounded by
+        `timeout`, its workers by QUICK_RPC_TIMEOUT_S inside it."""
+        outcomes = await self._call_each(Utility.CENSUS.value, timeout=timeout + QUICK_RPC_TIMEOUT_S)
+        return [o.map(lambda answer: read(RankCensus, answer)) for o in outcomes]
 
     # --- worker identity ---------------------------------------------------------------
 

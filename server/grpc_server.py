@@ -24,6 +24,7 @@ from enginectl.fpm.v1 import (
     fpm_identity_service_pb2_grpc,
 )
 from enginectl.server import limits
+from enginectl.server.census import Census
 from enginectl.server.config import TlsConfig
 from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.fpm.relay import FpmRelay
@@ -127,8 +128,10 @@ class ControlPlaneServer:
         rollouts: RolloutService | None = None,
         health: ServingHealth | None = None,
         prompt_calls: PromptCalls | None = None,
+        census: Census | None = None,
     ) -> None:
         self.ledger = ledger
+        self._census = census
         self.updates = updates
         self.operations = operations or OperationStore()
         # Without a relay (no engine behind this server) streams carry only progress messages.
@@ -246,6 +249,8 @@ class ControlPlaneServer:
             info.pipeline_parallel_size = engine.pipeline_parallel_size
             info.num_workers = engine.num_workers
             info.vllm_version = engine.vllm_version
+        if self._census is not None:
+            info.ranks.extend(self._census.ranks())
         return info
 
     @staticmethod

@@ -29,6 +29,7 @@ import enginectl
 from enginectl.common.gateway import SmgWorkers
 from enginectl.contract.engine import UNDECLARED_LABEL
 from enginectl.contract.engine_config import EngineConfig
+from enginectl.server.census import take_census
 from enginectl.server.config import GatewayConfig, RolloutConfig, ServeConfig
 from enginectl.server.fpm.identity import IdentitySync
 from enginectl.server.fpm.identity_gate import IdentityGate
@@ -141,6 +142,10 @@ async def start_control_plane(
         on_partial=health.set_quarantined,
         on_takeover=metrics.taken_over,
     )
+    census = await take_census(engine, enginectl.__version__)  # before anything else asks the ranks
+    refusal = census.refusal()
+    if refusal is not None:
+        raise StartupError(f"the engine's ranks disagree, so it will not serve: {refusal}")
     await updates.prepare()  # milliseconds
     transfer = WeightTransfer(engine, updates, config.weight_transfer_backend, on_takeover=metrics.taken_over)
     relay = before.fpm.start(ledger)
@@ -166,6 +171,7 @@ async def start_control_plane(
         rollouts=rollouts,
         health=health,
         prompt_calls=before.prompt_calls,
+        census=census,
     )
     await plane.set_serving(False)  # SERVING only once HTTP is up (and, if awaited, the identity)
     host, port = config.grpc.host, config.grpc.port

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -30,14 +31,19 @@ from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
+import enginectl
+from enginectl.common.host import host_identity
 from enginectl.contract.engine import (
     DIGEST_RPC_TIMEOUT_S,
     LATE_ANSWER_GRACE_S,
+    QUICK_RPC_TIMEOUT_S,
     FinishUpdate,
     LateAnswer,
     PauseReason,
+    RankCensus,
     RankGenerationState,
     WorkerCall,
+    WorkerCensus,
     WorkerRpc,
     read,
     wire,
@@ -145,6 +151,38 @@ def enginectl_finish_update(self: EngineCore, request_wire: Any) -> Any:
     elif (generation := _generation(self)) is not None:
         generation.update_finished_paused()
     return fingerprints
+
+
+def enginectl_census(self: EngineCore) -> Any:
+    """This rank in the start-up census (a RankCensus; server/census.py): its enginectl, its
+    scheduler, its host, and every worker's census, or why its workers could not answer (one
+    without enginectl's worker extension fails the call)."""
+    host = host_identity()
+    scheduler = type(self.scheduler)
+    parallel = self.vllm_config.parallel_config
+    workers: list[WorkerCensus] = []
+    error = ""
+    try:
+        call = read(WorkerCall, enginectl_worker_call(self, WorkerRpc.CENSUS.value, QUICK_RPC_TIMEOUT_S, []))
+        if call.late is not None:
+            error = call.late.message
+        else:
+            workers = [read(WorkerCensus, answer) for answer in call.answers]
+    except Exception as exc:  # noqa: BLE001 - answered: the census names this rank's workers
+        error = f"{type(exc).__name__}: {exc}"
+    return wire(
+        RankCensus(
+            dp_rank=int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank) or 0),
+            enginectl_version=enginectl.__version__,
+            enginectl_scheduler=_generation(self) is not None,
+            scheduler=f"{scheduler.__module__}.{scheduler.__qualname__}",
+            hostname=host.hostname,
+            boot_id=host.boot_id,
+            pid=os.getpid(),
+            workers=workers,
+            workers_error=error,
+        )
+    )
 
 
 def enginectl_worker_call(self: EngineCore, rpc: str, timeout: float, args: list[Any]) -> Any:

@@ -6,8 +6,9 @@ Here both "nodes" share this host and its namespaces: the head `enginectl serve
 --data-parallel-rpc-port P` runs rank 0, and `enginectl serve --headless ...
 --data-parallel-start-rank 1` runs rank 1, whose EngineCore handshakes with the head over TCP as
 a remote node's does. What this shows is that the node starts as enginectl (its EngineCore and
-worker carry enginectl's scheduler and extension, so the head's control calls reach rank 1), and
-that it owns its children. What crosses separate hosts (the relay and the update channels,
+worker carry enginectl's scheduler and extension, so the head's control calls reach rank 1),
+that it owns its children, and that the head's start-up census (server/census.py) lists both
+ranks and refuses an engine whose ranks disagree. What crosses separate hosts (the relay and the update channels,
 liveness) needs the two-node harness of DESIGN §13 and is not shown here.
 """
 
@@ -18,9 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support.serving import BIN, ServeProcess, alive
+from support.serving import BIN, READY_TIMEOUT_S, ServeProcess, alive
 from support.weights import Checkpoints, generate_on_rank
 
+import enginectl
 from bench.lib import harness
 from bench.lib.procs import free_port
 from enginectl.client import TrainerClient
@@ -68,6 +70,12 @@ def test_the_headless_node_runs_rank_1_as_enginectl(
     assert started["dp_ranks"] == [1]
     assert head.serving["dp_size"] == 2
     with TrainerClient(head.grpc_target, timeout=120.0) as c:
+        info = c.get_server_info()  # the start-up census: both nodes share this host here
+        assert [(r.dp_rank, r.local, r.num_workers, r.enginectl_scheduler) for r in info.ranks] == [
+            (0, True, 1, True),
+            (1, True, 1, True),
+        ]
+        assert {r.enginectl_version for r in info.ranks} == {enginectl.__version__}
         c.set_weight_version("headless-a")
         choice = generate_on_rank(head, 1)
         assert choice["weight_versions"][0]["version"] == "headless-a"
@@ -92,6 +100,42 @@ def test_sigterm_stops_the_node_and_every_child(nodes: tuple[ServeProcess, Headl
     assert any("EngineCore" in " ".join(p.cmdline() + [p.name()]) for p in children), children
     assert node.terminate() == 0, node.tail()
     assert not alive(children), [p.pid for p in alive(children)]
+
+
+def test_a_rank_without_enginectls_scheduler_where_the_others_have_it_is_refused_at_start(
+    serve_env: dict[str, str],
+) -> None:
+    """A node started with another scheduler (`--scheduler-cls` of vLLM's own): the head's
+    start-up census (server/census.py) names rank 1 and why, and the head exits 1
+    without ever serving. The node is stopped by the test: nothing tells it yet that its head
+    is gone (liveness, DESIGN §13)."""
+    rpc = ["--data-parallel-rpc-port", str(free_port())]
+    head = ServeProcess([*DP_FLAGS, *rpc], serve_env)
+    node = HeadlessNode(
+        [
+            *DP_FLAGS,
+            *rpc,
+            "--data-parallel-start-rank",
+            "1",
+            "--scheduler-cls",
+            "vllm.v1.core.sched.scheduler.Scheduler",
+        ],
+        serve_env,
+    )
+    head.start()
+    node.start()
+    try:
+        assert head.proc is not None
+        assert head.proc.wait(READY_TIMEOUT_S) == 1, head.tail()
+        head.exited.wait(30)
+        tail = head.tail()
+        assert "the engine's ranks disagree" in tail, tail
+        # vLLM's scheduler builds no enginectl hooks on that EngineCore: its census call fails.
+        assert "rank 1: no enginectl EngineCore utilities" in tail and "rank 0" not in tail.split("disagree")[-1]
+        assert not [e for e in head.events() if e.get("event") == "serving"]
+    finally:
+        node.kill()
+        head.kill()
 
 
 @pytest.mark.parametrize(

@@ -35,8 +35,10 @@ from typing import Any
 
 import torch
 
+import enginectl
 from enginectl.common import dtypes
-from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, WorkerRpc, read, wire
+from enginectl.common.host import host_identity
+from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, WorkerCensus, WorkerRpc, read, wire
 from enginectl.contract.engine_config import EngineConfig
 from enginectl.worker.attach import attach
 from enginectl.worker.weights.channel import Abort, Channel
@@ -72,6 +74,12 @@ class EnginectlWorkerExtension(FingerprintMixin, CheckMixin, GroupsMixin, Stagin
         if config.load_check == "full":
             record_writes()  # what every load writes, for the check after it (written.py)
         return super().__new__(cls)
+
+    def enginectl_census(self) -> Any:
+        """This worker in the start-up census (a WorkerCensus; server/census.py)."""
+        host = host_identity()
+        where = place(self)
+        return wire(WorkerCensus(where.dp_rank, where.worker_rank, host.hostname, host.boot_id, enginectl.__version__))
 
     def enginectl_load(self, plan_wire: Any) -> Any:
         """Load the weights a LoadPlan names; answers this worker's LoadResult (never raises)."""

@@ -2083,6 +2083,7 @@ class GetServerInfoResponse(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     STAGING_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model as given to vLLM: a Hugging Face id or a path (for the embedded default
     model, the path of its cached copy).
@@ -2154,6 +2155,14 @@ class GetServerInfoResponse(_message.Message):
     def staging(self) -> Global___StagingInfo:
         """Two-phase updates: their limits. The set staged now is in GetGenerationState."""
 
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankInfo]:
+        """Every data-parallel rank, in dp_rank order, as the start-up census found it: where it
+        runs and which enginectl it has (docs/multinode.md). A server whose ranks disagree (a rank
+        without enginectl's scheduler or worker extension where others have them, another
+        enginectl version) never serves: it exits at start, naming the ranks.
+        """
+
     def __init__(
         self,
         *,
@@ -2178,14 +2187,59 @@ class GetServerInfoResponse(_message.Message):
         incarnation: _builtins.str = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         staging: Global___StagingInfo | None = ...,
+        ranks: _abc.Iterable[Global___RankInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits", "staging", b"staging", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_weight_roots", b"allowed_weight_roots", "api_versions", b"api_versions", "auth_required", b"auth_required", "backends", b"backends", "data_parallel_size", b"data_parallel_size", "dtype", b"dtype", "enginectl_version", b"enginectl_version", "fingerprint_method", b"fingerprint_method", "full_fingerprint_method", b"full_fingerprint_method", "incarnation", b"incarnation", "limits", b"limits", "model", b"model", "num_workers", b"num_workers", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "served_model_names", b"served_model_names", "staging", b"staging", "start_time", b"start_time", "supported_rpcs", b"supported_rpcs", "tensor_parallel_size", b"tensor_parallel_size", "vllm_version", b"vllm_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_weight_roots", b"allowed_weight_roots", "api_versions", b"api_versions", "auth_required", b"auth_required", "backends", b"backends", "data_parallel_size", b"data_parallel_size", "dtype", b"dtype", "enginectl_version", b"enginectl_version", "fingerprint_method", b"fingerprint_method", "full_fingerprint_method", b"full_fingerprint_method", "incarnation", b"incarnation", "limits", b"limits", "model", b"model", "num_workers", b"num_workers", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "ranks", b"ranks", "served_model_names", b"served_model_names", "staging", b"staging", "start_time", b"start_time", "supported_rpcs", b"supported_rpcs", "tensor_parallel_size", b"tensor_parallel_size", "vllm_version", b"vllm_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetServerInfoResponse: _TypeAlias = GetServerInfoResponse  # noqa: Y015
+
+@_typing.final
+class RankInfo(_message.Message):
+    """One data-parallel rank of the engine (GetServerInfoResponse.ranks)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DP_RANK_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    LOCAL_FIELD_NUMBER: _builtins.int
+    ENGINECTL_VERSION_FIELD_NUMBER: _builtins.int
+    NUM_WORKERS_FIELD_NUMBER: _builtins.int
+    ENGINECTL_SCHEDULER_FIELD_NUMBER: _builtins.int
+    dp_rank: _builtins.int
+    """Data-parallel rank, from 0."""
+    host: _builtins.str
+    """Hostname of the host its EngineCore runs on."""
+    local: _builtins.bool
+    """True when it runs on this server's host (same hostname and kernel boot id); false for a
+    rank of another node (`enginectl serve --headless`).
+    """
+    enginectl_version: _builtins.str
+    """enginectl version of its EngineCore."""
+    num_workers: _builtins.int
+    """Workers of the rank (tensor x pipeline parallel), each with enginectl's extension."""
+    enginectl_scheduler: _builtins.bool
+    """True when enginectl's scheduler runs on it (forward-pass metrics, worker identity)."""
+    def __init__(
+        self,
+        *,
+        dp_rank: _builtins.int = ...,
+        host: _builtins.str = ...,
+        local: _builtins.bool = ...,
+        enginectl_version: _builtins.str = ...,
+        num_workers: _builtins.int = ...,
+        enginectl_scheduler: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "enginectl_scheduler", b"enginectl_scheduler", "enginectl_version", b"enginectl_version", "host", b"host", "local", b"local", "num_workers", b"num_workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankInfo: _TypeAlias = RankInfo  # noqa: Y015
 
 @_typing.final
 class InitWeightTransferEngineRequest(_message.Message):
