@@ -201,32 +201,6 @@ class RankGenerationState(msgspec.Struct, frozen=True):
     waiting: int = 0
 
 
-class WorkerCensus(msgspec.Struct, frozen=True):
-    """One worker in the start-up census: where it runs and which enginectl it has."""
-
-    dp_rank: int
-    worker_rank: int
-    hostname: str
-    boot_id: str
-    enginectl_version: str
-
-
-class RankCensus(msgspec.Struct, frozen=True):
-    """One DP rank in the start-up census (server/census.py): its EngineCore's enginectl,
-    scheduler and host, and every worker's census, or why the workers could not answer (a
-    worker without enginectl's extension)."""
-
-    dp_rank: int
-    enginectl_version: str
-    enginectl_scheduler: bool  # enginectl's scheduler runs (FPM samples, identity, pauses)
-    scheduler: str  # the scheduler class, as "module.Class"
-    hostname: str
-    boot_id: str
-    pid: int
-    workers: list[WorkerCensus] = msgspec.field(default_factory=list)
-    workers_error: str = ""
-
-
 class FinishUpdate(msgspec.Struct, frozen=True):
     """The end of a successful update in one round trip per rank: reset the prefix cache,
     fingerprint the weights (the workers keep the full digest under `fingerprint_token`; ""

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from enginectl.common.host import HostIdentity, host_identity
-from enginectl.contract.engine import QUICK_RPC_TIMEOUT_S, RankCensus
+from enginectl.contract.census import RankCensus
+from enginectl.contract.engine import QUICK_RPC_TIMEOUT_S
 from enginectl.server.worker_calls import RankOutcome
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 

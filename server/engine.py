@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
+from enginectl.contract.census import RankCensus
 from enginectl.contract.engine import (
     DIGEST_RPC_TIMEOUT_S,
     QUICK_RPC_TIMEOUT_S,
@@ -38,7 +39,6 @@ from enginectl.contract.engine import (
     LoadPlan,
     LoadResult,
     PauseReason,
-    RankCensus,
     RankFailure,
     RankGenerationState,
     RankIdentity,

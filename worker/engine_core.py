@@ -33,6 +33,7 @@ from vllm.v1.engine.core import EngineCore
 
 import enginectl
 from enginectl.common.host import host_identity
+from enginectl.contract.census import RankCensus, WorkerCensus
 from enginectl.contract.engine import (
     DIGEST_RPC_TIMEOUT_S,
     LATE_ANSWER_GRACE_S,
@@ -40,10 +41,8 @@ from enginectl.contract.engine import (
     FinishUpdate,
     LateAnswer,
     PauseReason,
-    RankCensus,
     RankGenerationState,
     WorkerCall,
-    WorkerCensus,
     WorkerRpc,
     read,
     wire,

@@ -7,7 +7,8 @@ head and a headless node, and refuses a real mixed engine.
 from __future__ import annotations
 
 from enginectl.common.host import HostIdentity
-from enginectl.contract.engine import RankCensus, RankFailure, WorkerCensus
+from enginectl.contract.census import RankCensus, WorkerCensus
+from enginectl.contract.engine import RankFailure
 from enginectl.server.census import Census
 from enginectl.server.worker_calls import RankOutcome
 

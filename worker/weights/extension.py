@@ -38,7 +38,8 @@ import torch
 import enginectl
 from enginectl.common import dtypes
 from enginectl.common.host import host_identity
-from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, WorkerCensus, WorkerRpc, read, wire
+from enginectl.contract.census import WorkerCensus
+from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, WorkerRpc, read, wire
 from enginectl.contract.engine_config import EngineConfig
 from enginectl.worker.attach import attach
 from enginectl.worker.weights.channel import Abort, Channel
