@@ -64,6 +64,11 @@ class Reason:
     GROUP_NOT_FOUND = "GROUP_NOT_FOUND"
     GROUP_TIMEOUT = "GROUP_TIMEOUT"
     PARTIAL_UPDATE = "PARTIAL_UPDATE"
+    # A worker can not read a disk update's files as the server planned it (missing on its node,
+    # not a regular file, another header): refused before anything was touched (DESIGN §13).
+    CHECKPOINT_NOT_ON_RANK = "CHECKPOINT_NOT_ON_RANK"
+    # InitWeightsUpdateGroup: a loopback master_address while a rank runs on another host.
+    MASTER_ADDRESS_LOOPBACK = "MASTER_ADDRESS_LOOPBACK"
     # UpdateWeightsFromIpc
     NOT_SAME_HOST = "NOT_SAME_HOST"  # the trainer is on another host (or the server can not tell)
     IPC_HANDLE_INVALID = "IPC_HANDLE_INVALID"  # a malformed handle, refused by the RPC

@@ -36,3 +36,13 @@ class RankCensus(msgspec.Struct, frozen=True):
     pid: int
     workers: list[WorkerCensus] = msgspec.field(default_factory=list)
     workers_error: str = ""
+    config_digest: str = ""  # of the EngineConfig the rank holds ("" under another scheduler)
+
+
+class RankConfigured(msgspec.Struct, frozen=True):
+    """A rank's answer to CONFIGURE: the digest of the EngineConfig it now holds (equal to
+    the sent one's) and the relay endpoint its publisher uses ("" for none)."""
+
+    dp_rank: int
+    digest: str
+    fpm_endpoint: str

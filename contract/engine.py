@@ -86,6 +86,9 @@ class Utility(str, enum.Enum):
     WORKER_CALL = "enginectl_worker_call"
     # The start-up census: what runs on this rank, where (a RankCensus; server/census.py).
     CENSUS = "enginectl_census"
+    # This start's EngineConfig, to every rank after the census (contract/engine_config.py):
+    # answers a RankConfigured.
+    CONFIGURE = "enginectl_configure"
 
 
 class WorkerRpc(str, enum.Enum):
@@ -113,6 +116,10 @@ class WorkerRpc(str, enum.Enum):
     CHECK_LOADED = "enginectl_check_loaded"
     # The start-up census of one worker (a WorkerCensus), asked by its EngineCore's CENSUS.
     CENSUS = "enginectl_census"
+    # Before an update writes anything: every worker opens every file the update will read and
+    # compares its safetensors header with the one the server planned from (worker/weights/
+    # prepare.py); answers a Prepared. Header reads only: milliseconds.
+    PREPARE = "enginectl_prepare"
 
 
 # enginectl's weight-transfer engine, in vLLM's factory (worker/weights/transfer/engine.py).
@@ -303,8 +310,10 @@ class LoadPlan(msgspec.Struct, frozen=True):
     group: str  # DISTRIBUTED: the update group
     # One per worker, indexed by WorkerLayout.index: stream chunks and abort frames (frames.py).
     data_endpoints: tuple[str, ...]
-    progress_endpoint: str  # every worker reports progress here
-    deadline: float  # time.time() based
+    progress_endpoint: str  # every worker on the server's host reports progress here
+    # The update's time left when the plan was sent: each worker counts it down on its own
+    # monotonic clock (a wall-clock deadline means nothing on another host's clock).
+    timeout_s: float
     # DISTRIBUTED: 0 broadcasts each tensor on its own; otherwise consecutive tensors are
     # packed into flat buffers of at most this many bytes, one broadcast per bucket
     # (common/buckets.py; a tensor larger than a bucket goes alone, unflattened).
@@ -313,6 +322,10 @@ class LoadPlan(msgspec.Struct, frozen=True):
     handles: tuple[IpcHandle, ...] = ()
     # STAGE: the token the staged set is kept under; LOAD of Source.STAGED: the set to load.
     stage_token: str = ""
+    # Every message on the channels begins with it (contract/frames.py; b"": no key).
+    key: bytes = b""
+    # Where a worker whose data endpoint is a tcp:// one (a rank on another host) reports.
+    progress_tcp_endpoint: str = ""
 
 
 class LoadError(msgspec.Struct, frozen=True, array_like=True):
@@ -346,6 +359,60 @@ class LoadCheck(msgspec.Struct, frozen=True):
     mismatch: str = ""
     # Kernels rebuilt from a weight the load wrote through another layer (a tied LM head).
     rebuilt: tuple[str, ...] = ()
+
+
+# --- prepare before write (WorkerRpc.PREPARE) ------------------------------------------------
+
+
+class PlannedTensor(msgspec.Struct, frozen=True, array_like=True):
+    """One tensor of a safetensors header as the server read it: name, dtype name
+    (common/dtypes.py), shape, and where its bytes lie in the data after the header."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class PlannedFile(msgspec.Struct, frozen=True, array_like=True):
+    """One file a disk update will read, and every tensor its header held when the server
+    planned the update, in the order of their bytes."""
+
+    path: str
+    tensors: tuple[PlannedTensor, ...]
+
+
+class PreparePlan(msgspec.Struct, frozen=True):
+    """What every worker checks before an update writes anything (DESIGN §13, "Prepare
+    before write"): each file opens here and its header is the planned one."""
+
+    files: tuple[PlannedFile, ...]
+
+
+class PrepareProblem(str, enum.Enum):
+    """Why a worker can not read what an update planned (Prepared.problem; the refusal's
+    `problem` metadata carries the value)."""
+
+    MISSING = "missing"  # no such file on this worker's host
+    NOT_REGULAR = "not_regular"  # a FIFO, socket, device or directory
+    UNREADABLE = "unreadable"  # permissions, an I/O error
+    NOT_SAFETENSORS = "not_safetensors"  # a header that is short, truncated or malformed
+    HEADER_DIFFERS = "header_differs"  # another tensor, dtype, shape or offset than planned
+    TRUNCATED = "truncated"  # a tensor's bytes end past the end of the file
+
+
+class Prepared(msgspec.Struct, frozen=True):
+    """A worker's answer to PREPARE: `problem` None when it can read every planned file,
+    else the first file it can not read (`path`) and why (`message`)."""
+
+    dp_rank: int
+    worker_rank: int
+    hostname: str
+    seconds: float
+    problem: PrepareProblem | None = None
+    path: str = ""
+    message: str = ""
 
 
 # --- staging (WorkerRpc.STAGE, STAGE_RESULT, DISCARD_STAGED) -------------------------------

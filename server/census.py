@@ -66,6 +66,19 @@ class Census:
                     problems.append(f"{where} worker {worker.worker_rank}: enginectl {worker.enginectl_version}")
         return "; ".join(problems) or None
 
+    def enginectl_schedulers(self) -> bool:
+        """Whether the ranks run enginectl's scheduler (they agree, or `refusal` says so)."""
+        return any(o.result is not None and o.result.enginectl_scheduler for o in self.outcomes)
+
+    def remote(self) -> dict[int, str]:
+        """The ranks that run on another host than this server's: dp_rank -> their host name
+        (empty for an engine on one host)."""
+        return {
+            o.result.dp_rank: o.result.hostname
+            for o in self.outcomes
+            if o.result is not None and HostIdentity(o.result.boot_id, o.result.hostname) != self.host
+        }
+
     def ranks(self) -> list[pb2.RankInfo]:
         """GetServerInfo's ranks (those that answered)."""
         out = []

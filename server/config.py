@@ -95,6 +95,19 @@ class GatewayConfig:
 
 
 @dataclass(frozen=True)
+class MultinodeConfig:
+    """An engine whose ranks may run on other nodes (DESIGN §13, docs/multinode.md)."""
+
+    # Where the relay and every update's channels also listen on TCP for ranks on other hosts
+    # (--channel-address, default --data-parallel-address); None: every rank is this head's
+    # (--data-parallel-size-local is the whole --data-parallel-size), nothing listens on TCP.
+    channel_address: str | None = None
+    # --liveness-timeout: a remote rank silent this long is a dead engine; a headless node's
+    # head, too.
+    liveness_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """What enginectl's flags of one start say, checked."""
 
@@ -108,3 +121,4 @@ class ServeConfig:
     allow_vllm_dev_routes: bool = False  # --allow-vllm-dev-routes (docs/http_routes.md)
     # vLLM's --weight-transfer-config backend (docs/weights.md); None: no transfer engine
     weight_transfer_backend: str | None = None
+    multinode: MultinodeConfig = MultinodeConfig()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
-from enginectl.contract.census import RankCensus
+from enginectl.contract.census import RankCensus, RankConfigured
 from enginectl.contract.engine import (
     DIGEST_RPC_TIMEOUT_S,
     QUICK_RPC_TIMEOUT_S,
@@ -39,6 +39,8 @@ from enginectl.contract.engine import (
     LoadPlan,
     LoadResult,
     PauseReason,
+    Prepared,
+    PreparePlan,
     RankFailure,
     RankGenerationState,
     RankIdentity,
@@ -54,6 +56,7 @@ from enginectl.contract.engine import (
     read,
     wire,
 )
+from enginectl.contract.engine_config import EngineConfig
 from enginectl.server.control_loop import run_on
 from enginectl.server.engine_processes import reap_children
 from enginectl.server.errors import ControlPlaneError
@@ -330,6 +333,13 @@ class EngineAdapter:
 
     # --- weights -----------------------------------------------------------------------
 
+    async def prepare(self, plan: PreparePlan) -> list[Prepared]:
+        """Before an update writes anything, every worker checks it can read what `plan`
+        names, as planned (worker/weights/prepare.py: header reads only); one answer per
+        worker, rank by rank."""
+        per_rank = await self._worker_calls.call(WorkerRpc.PREPARE, wire(plan), timeout=QUICK_RPC_TIMEOUT_S)
+        return [read(Prepared, worker) for workers in per_rank for worker in workers]
+
     async def load(self, plan: LoadPlan, timeout: float) -> list[LoadResult]:
         """Every worker loads `plan`; one result per worker, rank by rank. `timeout` bounds
         the RPC itself (the workers stop at `plan.deadline`)."""
@@ -408,6 +418,21 @@ class EngineAdapter:
         `timeout`, its workers by QUICK_RPC_TIMEOUT_S inside it."""
         outcomes = await self._call_each(Utility.CENSUS.value, timeout=timeout + QUICK_RPC_TIMEOUT_S)
         return [o.map(lambda answer: read(RankCensus, answer)) for o in outcomes]
+
+    async def configure(self, config: EngineConfig, timeout: float) -> list[RankOutcome[RankConfigured]]:
+        """Hand every rank this start's `config` (contract/engine_config.py), each bounded by
+        `timeout`: a rank on another node learns the relay's endpoint and the channel secret
+        only this way."""
+        outcomes = await self._call_each(Utility.CONFIGURE.value, wire(config), timeout=timeout)
+        return [o.map(lambda answer: read(RankConfigured, answer)) for o in outcomes]
+
+    def rank_lost(self, cause: str) -> None:
+        """A rank this process did not start is gone (server/rank_watch.py): the engine is
+        dead, as when a local EngineCore exits. From any thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._died, cause)
+        except RuntimeError:  # the loop is closed: the process is exiting anyway
+            pass
 
     # --- worker identity ---------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from enginectl.server.config import (
     GatewayConfig,
     GrpcConfig,
     IdentityConfig,
+    MultinodeConfig,
     RolloutConfig,
     ServeConfig,
     TlsConfig,
@@ -49,6 +50,7 @@ log = structlog.get_logger("enginectl.fpm")  # the one warning here is about the
 DEFAULT_GRPC_PORT = 50051
 TOKEN_ENV = "ENGINECTL_TOKEN"
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_LIVENESS_TIMEOUT_S = 10.0
 WORKER_EXTENSION = "enginectl.worker.weights.extension.EnginectlWorkerExtension"
 SCHEDULER = "enginectl.worker.scheduler.make_scheduler"
 # vLLM flags that suit the embedded tiny model on any machine; explicit flags still win.
@@ -131,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fpm_relay_args(group)
     _add_identity_args(group)
     _add_weight_update_args(group)
+    _add_multinode_args(group)
     _add_rollout_args(group)
     _add_gateway_args(group)
     return parser
@@ -194,6 +197,48 @@ def _add_identity_args(group: argparse._ArgumentGroup) -> None:
         help="Each rank sends a heartbeat sample after this long without a step "
         f"(default {DEFAULT_HEARTBEAT_INTERVAL_S}).",
     )
+
+
+def _add_multinode_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--channel-address",
+        default=None,
+        metavar="ADDRESS",
+        help="When ranks run on other nodes (--data-parallel-size-local below "
+        "--data-parallel-size): the address of this head the FPM relay and every weight "
+        "update's channels listen on for them (default: --data-parallel-address; never a "
+        "loopback address then). docs/multinode.md.",
+    )
+    group.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=DEFAULT_LIVENESS_TIMEOUT_S,
+        metavar="SECONDS",
+        help="A rank on another node silent this long is a dead engine (the server exits "
+        "non-zero); a headless node whose head is silent this long stops "
+        f"(default {DEFAULT_LIVENESS_TIMEOUT_S}).",
+    )
+
+
+def _multinode_config(args: argparse.Namespace) -> MultinodeConfig:
+    """Whether ranks may run on other nodes (by vLLM's DP flags), and where to listen for them."""
+    timeout = float(args.liveness_timeout)
+    if not timeout >= 3 * args.fpm_heartbeat_interval:
+        raise SystemExit(
+            "enginectl serve: --liveness-timeout must be at least 3 times --fpm-heartbeat-interval "
+            "(a rank's heartbeats are what the head watches)"
+        )
+    size = int(getattr(args, "data_parallel_size", 1) or 1)
+    local = getattr(args, "data_parallel_size_local", None)
+    if local is None or int(local) >= size or getattr(args, "data_parallel_hybrid_lb", False):
+        return MultinodeConfig(None, timeout)
+    address = args.channel_address or getattr(args, "data_parallel_address", None)
+    if not address:
+        raise SystemExit(
+            "enginectl serve: ranks on other nodes (--data-parallel-size-local below --data-parallel-size) "
+            "need --data-parallel-address (or --channel-address): where they reach this head"
+        )
+    return MultinodeConfig(str(address), timeout)
 
 
 def _add_weight_update_args(group: argparse._ArgumentGroup) -> None:
@@ -333,6 +378,7 @@ def take_config(args: argparse.Namespace) -> ServeConfig:
         gateway=_gateway_config(args),
         allow_vllm_dev_routes=bool(args.allow_vllm_dev_routes),
         weight_transfer_backend=_transfer_backend(getattr(args, "weight_transfer_config", None)),
+        multinode=_multinode_config(args),
     )
 
 

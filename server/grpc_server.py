@@ -36,6 +36,7 @@ from enginectl.server.interceptors import BearerToken, RpcInterceptor
 from enginectl.server.limits import MAX_MESSAGE_BYTES
 from enginectl.server.local_endpoint import LocalEndpoint
 from enginectl.server.prompt_calls import PromptCalls
+from enginectl.server.rank_watch import RankWatch
 from enginectl.server.reflection import enable_reflection
 from enginectl.server.weights.services import OperationsServicer, WeightUpdateServicer, WeightVersionServicer
 from enginectl.server.weights.transfer import WeightTransfer
@@ -129,9 +130,11 @@ class ControlPlaneServer:
         health: ServingHealth | None = None,
         prompt_calls: PromptCalls | None = None,
         census: Census | None = None,
+        rank_watch: RankWatch | None = None,
     ) -> None:
         self.ledger = ledger
         self._census = census
+        self._rank_watch = rank_watch
         self.updates = updates
         self.operations = operations or OperationStore()
         # Without a relay (no engine behind this server) streams carry only progress messages.
@@ -296,6 +299,8 @@ class ControlPlaneServer:
         if self._engine_dead:
             return
         self._engine_dead = True
+        if self._rank_watch is not None:
+            self._rank_watch.stop()
         message = f"the engine died ({cause}); this server is shutting down"
         # Synchronous up to the health flip: nothing runs between refusing and ending streams.
         self._interceptor.refuse(ControlPlaneError(grpc.StatusCode.UNAVAILABLE, Reason.ENGINE_DEAD, message))
@@ -313,6 +318,8 @@ class ControlPlaneServer:
                 ControlPlaneError(grpc.StatusCode.UNAVAILABLE, Reason.SHUTTING_DOWN, "server is shutting down")
             )
         await self.health.stopping()
+        if self._rank_watch is not None:
+            self._rank_watch.stop()
         self.ledger.close()
         self.fpm_relay.close()
         self.operations.close()  # calls waiting on an update end UNAVAILABLE SHUTTING_DOWN

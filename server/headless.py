@@ -62,7 +62,14 @@ def run(args: argparse.Namespace, config: ServeConfig) -> int:
         raise SystemExit(f"enginectl serve --headless: {why}")
     # The per-start values the head's EngineCores get (relay endpoint, incarnation, worker id)
     # are the head's; only what this node's flags say travels here.
-    configure_engine_args(args, EngineConfig(load_check=config.updates.load_check))
+    configure_engine_args(
+        args,
+        EngineConfig(
+            load_check=config.updates.load_check,
+            liveness_timeout_s=config.multinode.liveness_timeout_s,
+            headless=True,
+        ),
+    )
     if not adopt_orphans():
         log.warning("not_a_subreaper", effect="a worker orphaned by a dead EngineCore may outlive this process")
     engine_args = AsyncEngineArgs.from_cli_args(args)

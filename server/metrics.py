@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from enginectl.server.fpm.relay import FpmRelay
+from enginectl.server.weights.sources.channels import DroppedFrames
 from enginectl.server.weights.version.ledger import WeightVersionLedger
 
 SOURCES = ("disk", "distributed", "tensors", "ipc")
@@ -180,8 +181,9 @@ class FpmRelayCollector:
     """The FPM relay's counters and gauges, read from the relay at scrape time (the relay
     only increments plain integers on its hot path)."""
 
-    def __init__(self, relay: FpmRelay) -> None:
+    def __init__(self, relay: FpmRelay, update_frames: DroppedFrames | None = None) -> None:
         self._relay = relay
+        self._update_frames = update_frames
 
     def collect(self) -> Iterator[Metric]:
         relay = self._relay
@@ -195,11 +197,13 @@ class FpmRelayCollector:
         dropped = CounterMetricFamily(
             "enginectl_fpm_samples_dropped",
             "Samples dropped at the relay, by reason: unattributed (empty worker_id while "
-            "--await-worker-id requires one) or malformed.",
+            "--await-worker-id requires one), malformed, or unkeyed (without this start's "
+            "incarnation and channel secret: another start's publisher, or a stranger).",
             labels=["reason"],
         )
         dropped.add_metric(["unattributed"], stats.dropped_unattributed)
         dropped.add_metric(["malformed"], stats.dropped_malformed)
+        dropped.add_metric(["unkeyed"], stats.dropped_unkeyed)
         missed = CounterMetricFamily(
             "enginectl_fpm_subscriber_missed",
             "Samples coalesced away from slow stream subscribers' queues (summed over subscribers).",
@@ -230,10 +234,21 @@ class FpmRelayCollector:
         if newest is not None:
             age.add_metric([], max(time.time() - newest.emit_time.ToNanoseconds() / 1e9, 0.0))
         yield from (relayed, dropped, missed, coalesced, subscribers, backlog, age)
+        if self._update_frames is not None:
+            update_dropped = CounterMetricFamily(
+                "enginectl_update_frames_dropped",
+                "Messages on weight updates' channels the server dropped, by reason: unkeyed "
+                "(without this start's incarnation and channel secret; docs/multinode.md).",
+                labels=["reason"],
+            )
+            update_dropped.add_metric(["unkeyed"], self._update_frames.unkeyed)
+            yield update_dropped
 
 
-def register_fpm_metrics(relay: FpmRelay, registry: CollectorRegistry = REGISTRY) -> FpmRelayCollector:
-    """Export the relay's metrics in `registry` (once per process)."""
-    collector = FpmRelayCollector(relay)
+def register_fpm_metrics(
+    relay: FpmRelay, update_frames: DroppedFrames | None = None, registry: CollectorRegistry = REGISTRY
+) -> FpmRelayCollector:
+    """Export the relay's metrics, and the update channels' drops, in `registry` (once per process)."""
+    collector = FpmRelayCollector(relay, update_frames)
     registry.register(collector)
     return collector

@@ -19,6 +19,7 @@ them (server/flags.py has already turned the flags into a ServeConfig, server/co
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,9 +28,10 @@ import structlog
 
 import enginectl
 from enginectl.common.gateway import SmgWorkers
-from enginectl.contract.engine import UNDECLARED_LABEL
-from enginectl.contract.engine_config import EngineConfig
-from enginectl.server.census import take_census
+from enginectl.common.host import host_identity
+from enginectl.contract.engine import QUICK_RPC_TIMEOUT_S, UNDECLARED_LABEL
+from enginectl.contract.engine_config import EngineConfig, frame_key
+from enginectl.server.census import Census, take_census
 from enginectl.server.config import GatewayConfig, RolloutConfig, ServeConfig
 from enginectl.server.fpm.identity import IdentitySync
 from enginectl.server.fpm.identity_gate import IdentityGate
@@ -39,6 +41,8 @@ from enginectl.server.grpc_server import ControlPlaneServer, service_names
 from enginectl.server.health import ServingHealth
 from enginectl.server.metrics import ControlPlaneMetrics, register_fpm_metrics
 from enginectl.server.prompt_calls import PromptCalls
+from enginectl.server.rank_watch import RankWatch
+from enginectl.server.weights.sources.channels import ChannelSettings, DroppedFrames
 from enginectl.server.weights.sources.disk import checkpoint_tensors
 from enginectl.server.weights.transfer import WeightTransfer
 from enginectl.server.weights.update.operations import OperationStore
@@ -79,12 +83,17 @@ def before_engine(config: ServeConfig, loop: asyncio.AbstractEventLoop, stop: as
         loop=loop,
         stop=stop,
     )
+    secret = secrets.token_hex(16)  # every frame of this start carries it (DESIGN §13)
+    multinode = config.multinode
     fpm = FpmRelayHost(
         ring_size=config.fpm.ring_size,
         queue_limit=config.fpm.queue_limit,
         require_identity=config.identity.await_worker_id,
         defer_to=prompt_calls.any,
+        key=frame_key(incarnation, secret),
+        tcp_address=multinode.channel_address,
     )
+    head = host_identity()
     engine_config = EngineConfig(
         fpm_endpoint=fpm.endpoint,
         worker_id=config.identity.worker_id,
@@ -92,8 +101,57 @@ def before_engine(config: ServeConfig, loop: asyncio.AbstractEventLoop, stop: as
         heartbeat_interval_s=config.identity.heartbeat_interval_s,
         incarnation=incarnation,
         load_check=config.updates.load_check,
+        fpm_tcp_endpoint=fpm.tcp_endpoint,
+        head_hostname=head.hostname,
+        head_boot_id=head.boot_id,
+        channel_secret=secret,
+        liveness_timeout_s=multinode.liveness_timeout_s,
     )
     return BeforeEngine(incarnation, prompt_calls, identity, fpm, engine_config)
+
+
+async def configure_ranks(engine: EngineAdapter, census: Census, config: EngineConfig) -> None:
+    """Hand every rank this start's EngineConfig (a rank on another node learns the relay's
+    endpoint, the channel secret and the worker id only this way: DESIGN §13) and check that
+    each now holds it; StartupError naming every rank that does not, or that another host
+    could only reach on a loopback address. Nothing to hand an engine whose ranks run no
+    enginectl scheduler (the census let it through: it publishes nothing)."""
+    if not census.enginectl_schedulers():
+        return
+    remote = census.remote()
+    problems: list[str] = []
+    if remote and config.fpm_tcp_endpoint and _loopback(config.fpm_tcp_endpoint):
+        problems.extend(
+            f"rank {rank} (host {host}): this head listens for it on {config.fpm_tcp_endpoint}, a loopback "
+            "address; set --channel-address (or --data-parallel-address) to one that host can reach"
+            for rank, host in sorted(remote.items())
+        )
+    elif remote and not config.fpm_tcp_endpoint:
+        problems.extend(
+            f"rank {rank} (host {host}) runs on another host, but this head expects every rank on its own "
+            "(--data-parallel-size-local equals --data-parallel-size)"
+            for rank, host in sorted(remote.items())
+        )
+    if not problems:
+        expected = config.digest()
+        for outcome in await engine.configure(config, QUICK_RPC_TIMEOUT_S):
+            if outcome.result is None:
+                problems.append(f"rank {outcome.dp_rank}: CONFIGURE failed ({outcome.message})")
+            elif outcome.result.digest != expected:
+                problems.append(f"rank {outcome.dp_rank}: holds config {outcome.result.digest}, sent {expected}")
+            else:
+                log.info("rank configured", dp_rank=outcome.dp_rank, fpm_endpoint=outcome.result.fpm_endpoint)
+    if problems:
+        raise StartupError(f"the engine's ranks can not all be reached, so it will not serve: {'; '.join(problems)}")
+
+
+def _loopback(endpoint: str) -> bool:
+    """Whether a tcp:// endpoint's host is a loopback address."""
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def rollout_service(
@@ -123,10 +181,16 @@ async def start_control_plane(
         publish=engine.set_weight_version, fingerprint=fingerprints.declaration, incarnation=before.incarnation
     )
     operations = OperationStore()
+    census = await take_census(engine, enginectl.__version__)  # before anything else asks the ranks
+    refusal = census.refusal()
+    if refusal is not None:
+        raise StartupError(f"the engine's ranks disagree, so it will not serve: {refusal}")
+    await configure_ranks(engine, census, before.engine_config)
     await engine.set_weight_version(UNDECLARED_LABEL)  # not vLLM's "default", which can be declared
     expected = await asyncio.to_thread(checkpoint_tensors, engine.info.model)
     metrics = ControlPlaneMetrics(ledger)
     health = ServingHealth(service_names(rollouts))
+    update_frames = DroppedFrames()
     updates = WeightUpdates(
         engine,
         ledger,
@@ -141,15 +205,21 @@ async def start_control_plane(
         fingerprints=fingerprints,
         on_partial=health.set_quarantined,
         on_takeover=metrics.taken_over,
+        channels=ChannelSettings(
+            key=before.engine_config.frame_key(),
+            remote_ranks=frozenset(census.remote()),
+            tcp_address=config.multinode.channel_address,
+        ),
+        dropped_frames=update_frames,
+        remote_ranks=census.remote(),
     )
-    census = await take_census(engine, enginectl.__version__)  # before anything else asks the ranks
-    refusal = census.refusal()
-    if refusal is not None:
-        raise StartupError(f"the engine's ranks disagree, so it will not serve: {refusal}")
     await updates.prepare()  # milliseconds
     transfer = WeightTransfer(engine, updates, config.weight_transfer_backend, on_takeover=metrics.taken_over)
     relay = before.fpm.start(ledger)
-    register_fpm_metrics(relay)  # once per process: the relay's counters on vLLM's /metrics
+    register_fpm_metrics(relay, update_frames)  # once per process: the counters on vLLM's /metrics
+    rank_watch = RankWatch(
+        relay, census.remote(), bound_s=config.multinode.liveness_timeout_s, lost=engine.rank_lost
+    ).start()
     identity = IdentitySync(
         engine,
         await_worker_id=config.identity.await_worker_id,
@@ -172,6 +242,7 @@ async def start_control_plane(
         health=health,
         prompt_calls=before.prompt_calls,
         census=census,
+        rank_watch=rank_watch,
     )
     await plane.set_serving(False)  # SERVING only once HTTP is up (and, if awaited, the identity)
     host, port = config.grpc.host, config.grpc.port

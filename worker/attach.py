@@ -37,6 +37,7 @@ ENGINE_CORE_HOOKS: Final[Mapping[str, Callable[..., Any]]] = MappingProxyType(
         Utility.FINISH_UPDATE.value: engine_core.enginectl_finish_update,
         Utility.WORKER_CALL.value: engine_core.enginectl_worker_call,
         Utility.CENSUS.value: engine_core.enginectl_census,
+        Utility.CONFIGURE.value: identity_core.configure,
         Utility.SET_WORKER_IDENTITY.value: identity_core.set_worker_identity,
         Utility.GET_WORKER_IDENTITY.value: identity_core.get_worker_identity,
         VllmUtility.COLLECTIVE_RPC.value: engine_core.collective_rpc,

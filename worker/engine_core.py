@@ -180,6 +180,7 @@ def enginectl_census(self: EngineCore) -> Any:
             pid=os.getpid(),
             workers=workers,
             workers_error=error,
+            config_digest=held.digest() if (held := getattr(self.scheduler, "fpm_config", None)) is not None else "",
         )
     )
 

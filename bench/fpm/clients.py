@@ -36,6 +36,7 @@ import zmq
 
 from bench.lib.lines import emit, report_errors
 from bench.lib.stats import summarize_ms
+from enginectl.contract.fpm import local_relay_key
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
@@ -199,6 +200,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
     sock = context.socket(zmq.PUB)
     sock.setsockopt(zmq.SNDHWM, 0)  # the bench publisher never drops: loss is the relay's
     sock.connect(args.endpoint)
+    key = local_relay_key(args.endpoint)  # every frame carries the start's key, as an EngineCore's
     emit("ready")
     go = threading.Event()
 
@@ -212,7 +214,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
         if time.monotonic() > deadline:
             emit("error", message="no go from the parent")
             return
-        sock.send(_sample(args.probe, 0, 1))
+        sock.send(key + _sample(args.probe, 0, 1))
     # Send in 1 ms slices at the requested rate. One message per rank, reused: a sample costs
     # its counter and a serialization (well under a microsecond), so that at 150,000 samples/s
     # the publishers do not take the CPU the relay is measured on; emit_time is per slice.
@@ -228,7 +230,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
         for i in range(sent, sent + n):
             msg = messages[i % args.ranks]
             msg.counter_id = i + 1
-            sock.send(msg.SerializeToString())
+            sock.send(key + msg.SerializeToString())
         sent += n
         ahead = t0 + sent / args.rate - time.monotonic()
         if ahead > 0:

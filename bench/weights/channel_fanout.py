@@ -104,7 +104,7 @@ def recv(index: int, payload: int) -> None:
             group="",
             data_endpoints=tuple(rep["data_endpoints"]),
             progress_endpoint=rep["progress_endpoint"],
-            deadline=time.time() + REP_TIMEOUT_S,
+            timeout_s=REP_TIMEOUT_S,
         )
         channel = Channel(plan, WorkerPlace(0, index, index))
         relays = []

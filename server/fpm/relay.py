@@ -36,6 +36,7 @@ forward_pass_metrics_service.proto):
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -74,6 +75,9 @@ class RelayStats:
     dropped_unattributed: int = 0
     # Frames that were not a ForwardPassMetrics of a known schema.
     dropped_malformed: int = 0
+    # Frames that did not begin with this start's key (incarnation and channel secret): a
+    # publisher of another start, or a stranger on the TCP endpoint (DESIGN §13).
+    dropped_unkeyed: int = 0
     # Samples subscribers were told they missed (coalesced away from their queues, or at
     # intake), summed over subscribers.
     subscriber_missed: int = 0
@@ -207,10 +211,16 @@ class FpmRelay:
         ring_size: int = DEFAULT_RING_SIZE,
         queue_limit: int = DEFAULT_QUEUE_LIMIT,
         require_identity: bool = False,
+        key: bytes = b"",
     ) -> None:
         if queue_limit < 2:
             raise ValueError("queue limit must be at least 2")
         self.incarnation = incarnation
+        # Every frame begins with it (contract/engine_config.py `frame_key`); b"": no key.
+        self.key = key
+        # dp_rank -> time.monotonic() of its latest keyed frame: what the rank watch reads
+        # (server/fpm/rank_watch.py).
+        self.last_seen: dict[int, float] = {}
         self._revision = revision
         self.ring = SampleRing(ring_size)
         self.queue_limit = queue_limit
@@ -274,10 +284,17 @@ class FpmRelay:
         frame rules (contract/fpm.py) are inline, a call per frame saved."""
         require_identity = self.require_identity
         parse, heartbeat = parse_frame, HEARTBEAT
-        malformed = unattributed = 0
+        key, cut = self.key, len(self.key)
+        malformed = unattributed = unkeyed = 0
+        seen: dict[int, float] = {}
         batch: list[Relayed] = [] if into is None else into
         keep = batch.append
         for frame in frames:
+            if cut:
+                if not frame.startswith(key):
+                    unkeyed += 1
+                    continue
+                frame = frame[cut:]
             try:
                 sample = parse(frame)
             except FrameError:
@@ -286,14 +303,20 @@ class FpmRelay:
             if not sample.schema_version:
                 malformed += 1
                 continue
+            dp_rank = sample.dp_rank
+            seen[dp_rank] = 0.0
             worker_id = sample.worker_id
             if require_identity and not worker_id:
                 unattributed += 1
                 continue
-            keep(Relayed((worker_id, sample.dp_rank), sample.kind == heartbeat, frame))
+            keep(Relayed((worker_id, dp_rank), sample.kind == heartbeat, frame))
+        if seen:
+            now = time.monotonic()
+            self.last_seen.update(dict.fromkeys(seen, now))
         stats = self.stats
         stats.dropped_malformed += malformed
         stats.dropped_unattributed += unattributed
+        stats.dropped_unkeyed += unkeyed
         return batch
 
     def commit(self, batch: list[Relayed], *, coalesce: bool = False) -> None:

@@ -1,4 +1,5 @@
-"""FpmRelayHost: the relay's ZMQ SUB socket, its private ipc:// endpoint and its reader.
+"""FpmRelayHost: the relay's ZMQ SUB socket, its private ipc:// endpoint (and, when the
+engine's ranks span hosts, a TCP one) and its reader.
 
 Runs in the `enginectl serve` process. It is built before the engine starts (on the main
 thread, server/wiring.py): it creates a private temporary directory and binds a SUB socket
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING
 import structlog
 import zmq
 
-from enginectl.contract.fpm import SUBSCRIBE_ALL
+from enginectl.contract.fpm import SUBSCRIBE_ALL, key_file
 from enginectl.server.fpm.relay import DEFAULT_QUEUE_LIMIT, DEFAULT_RING_SIZE, FpmRelay
 from enginectl.server.fpm.samples import Relayed
 
@@ -72,6 +73,9 @@ DEFERRING_RELAY_BUDGET = 64
 PREPARE_SLICE = 256
 # Frames ZMQ may hold for us while the loop is busy; beyond that the PUB side drops (never blocks).
 RCV_HWM = 200_000
+# ZMTP heartbeats on the TCP endpoint: a peer silent this long has its connection dropped.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 10_000
 
 
 @dataclass(slots=True)
@@ -95,6 +99,8 @@ class FpmRelayHost:
         require_identity: bool = False,
         intake_backlog: int = INTAKE_BACKLOG,
         defer_to: Callable[[], bool] = lambda: False,
+        key: bytes = b"",
+        tcp_address: str | None = None,
     ) -> None:
         if ring_size < 1 or queue_limit < 2:
             raise ValueError("--fpm-ring-size must be >= 1 and --fpm-subscriber-queue >= 2")
@@ -112,6 +118,21 @@ class FpmRelayHost:
         self._socket.setsockopt(zmq.RCVHWM, RCV_HWM)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.endpoint)
+        # Every frame begins with it (contract/engine_config.py `frame_key`); a publisher of this
+        # host that is no EngineCore reads it from the private directory (contract/fpm.py).
+        self._key = key
+        if key:
+            path = key_file(self.endpoint)
+            path.touch(mode=0o600)
+            path.write_bytes(key)
+        # When the engine's ranks may span hosts: a TCP endpoint on `tcp_address` too, for the
+        # ranks on other hosts (DESIGN §13); ZMTP heartbeats drop a peer gone silent.
+        self.tcp_endpoint = ""
+        if tcp_address is not None:
+            self._socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            self._socket.bind(f"tcp://{_bracketed(tcp_address)}:0")
+            self.tcp_endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.relay: FpmRelay | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
@@ -131,11 +152,13 @@ class FpmRelayHost:
             ring_size=self._ring_size,
             queue_limit=self._queue_limit,
             require_identity=self._require_identity,
+            key=self._key,
         )
         self.attach(relay)
         log.info(
             "fpm relay listening",
             endpoint=self.endpoint,
+            tcp_endpoint=self.tcp_endpoint or None,
             ring_size=self._ring_size,
             queue_limit=self._queue_limit,
             require_identity=self._require_identity,
@@ -228,3 +251,8 @@ class FpmRelayHost:
         self._socket.close(linger=0)
         self._context.term()
         self._dir.cleanup()
+
+
+def _bracketed(address: str) -> str:
+    """An IPv6 address in brackets, as a ZMQ TCP endpoint needs it."""
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address

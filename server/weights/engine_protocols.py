@@ -20,6 +20,8 @@ from enginectl.contract.engine import (
     LoadPlan,
     LoadResult,
     PauseReason,
+    Prepared,
+    PreparePlan,
     RankGenerationState,
     StageAck,
     StageResult,
@@ -95,6 +97,8 @@ class UpdateEngine(PauseEngine, GroupEngine, FingerprintEngine, StagingEngine, P
     UpdateRun in run.py)."""
 
     info: EngineInfo
+
+    async def prepare(self, plan: PreparePlan) -> list[Prepared]: ...
 
     async def load(self, plan: LoadPlan, timeout: float) -> list[LoadResult]: ...
 

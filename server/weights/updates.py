@@ -21,8 +21,9 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import grpc
 import structlog
@@ -31,7 +32,9 @@ from enginectl.contract.engine import Cause
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.weights.convert import source_proto, verify_response
 from enginectl.server.weights.engine_protocols import UpdateEngine
+from enginectl.server.weights.sources.channels import ONE_HOST, ChannelSettings, DroppedFrames
 from enginectl.server.weights.sources.groups import UpdateGroups, backends
+from enginectl.server.weights.sources.prepare import prepare
 from enginectl.server.weights.sources.tensor_stream import TensorStream, read_header
 from enginectl.server.weights.sources.validation import UpdateValidator
 from enginectl.server.weights.sources.workers import WorkerSources
@@ -68,6 +71,9 @@ class WeightUpdates:
         fingerprints: WeightFingerprints | None = None,
         on_partial: Callable[[bool], Awaitable[None]] | None = None,
         on_takeover: Callable[[str], None] | None = None,
+        channels: ChannelSettings = ONE_HOST,
+        dropped_frames: DroppedFrames | None = None,
+        remote_ranks: Mapping[int, str] = MappingProxyType({}),
     ) -> None:
         self._engine = engine
         self._ledger = ledger
@@ -78,12 +84,23 @@ class WeightUpdates:
         self._ranks = engine.info.data_parallel_size
         self._dir = Path(tempfile.mkdtemp(prefix="enginectl-updates-"))
         self.generation = Generation(engine, self._ranks, on_pause, on_partial)
-        self.groups = UpdateGroups(engine, on_takeover)
+        # dp_rank -> host of the ranks on other hosts than this server's (the census; empty on
+        # one host): what no IPC update and no loopback group can reach, named in refusals.
+        self._remote_ranks = MappingProxyType(dict(remote_ranks))
+        self.groups = UpdateGroups(engine, on_takeover, remote_ranks=self._remote_ranks)
         # The source of every update whose workers read the weights themselves (and of a
         # tensor stream, fed through their channels); a transfer round brings its own.
-        self._sources = WorkerSources(engine, engine.info.layout, self.groups, self._dir)
+        # `channels`: where they listen (TCP for ranks on other hosts) and their key.
+        self._sources = WorkerSources(
+            engine, engine.info.layout, self.groups, self._dir, settings=channels, dropped=dropped_frames
+        )
         self._validator = UpdateValidator(
-            ledger, self.groups, allowed_roots=allowed_roots, expected=expected, served_dtype=engine.info.dtype
+            ledger,
+            self.groups,
+            allowed_roots=allowed_roots,
+            expected=expected,
+            served_dtype=engine.info.dtype,
+            remote_ranks=self._remote_ranks,
         )
         # Built by the caller when the ledger's declarations need it before this object exists.
         self.fingerprints = fingerprints if fingerprints is not None else WeightFingerprints(engine)
@@ -98,6 +115,7 @@ class WeightUpdates:
         self._parts = RunParts(engine, ledger, self.generation, self.fingerprints, self.staging, on_finished)
         # request_id -> (the plan's key, its Operation): a retry answers the first Operation.
         self._by_request_id: dict[str, tuple[tuple[object, ...], UpdateOperation]] = {}
+        self._preparing = False  # an update's workers check its files (sources/prepare.py)
 
     @property
     def operations(self) -> OperationStore:
@@ -130,7 +148,8 @@ class WeightUpdates:
     # --- what GetServerInfo reports ----------------------------------------------------------
 
     def backends(self) -> list[pb2.UpdateBackend.ValueType]:
-        return backends()
+        """The update backends this server offers: not IPC when a rank runs on another host."""
+        return [b for b in backends() if not (self._remote_ranks and b == pb2.UPDATE_BACKEND_IPC)]
 
     @property
     def fingerprint_method(self) -> str:
@@ -252,6 +271,10 @@ class WeightUpdates:
         here, once: the one the plan arrives by (a tensor stream, a transfer round), else the
         workers read the weights themselves (sources/workers.py).
 
+        A disk update is prepared first (sources/prepare.py): every worker reads its files'
+        headers as planned, else FAILED_PRECONDITION CHECKPOINT_NOT_ON_RANK, with no
+        Operation and nothing paused or written.
+
         The ledger's write lock is taken here, before the Operation is returned, and held
         until the update is recorded: a declaration accepted after this call applies after
         the update, whatever it waits for (pausing included)."""
@@ -263,11 +286,25 @@ class WeightUpdates:
                 return known[1], False
         if self.generation.updating():
             raise self.generation.in_progress("one update runs at a time")
+        if self._preparing:
+            raise ControlPlaneError(
+                grpc.StatusCode.ABORTED,
+                Reason.UPDATE_IN_PROGRESS,
+                "another update is being prepared; one update runs at a time",
+            )
         self.staging.check_idle()
         if plan.stage_token:
             self.staging.check_committable(plan.stage_token)
         if plan.stage_only:
             self.staging.check(plan)
+        # Before anything is paused or written, and before the Operation exists: every worker
+        # can read the plan's files as planned, else a clean refusal (sources/prepare.py).
+        # The update slot is held meanwhile, so no other update's RPC queues behind this one.
+        self._preparing = True
+        try:
+            await prepare(self._engine, plan, self._remote_ranks)
+        finally:
+            self._preparing = False
         source = plan.via if plan.via is not None else self._sources.read(plan)
         op_id = plan.request_id or str(uuid.uuid4())
         metadata = pb2.UpdateWeightsMetadata(

@@ -108,6 +108,32 @@ async def test_heartbeats_are_left_out_unless_asked_for(
     assert [(s.kind, s.counter_id) for s in samples] == [(STEP, i) for i in range(11, 16)]
 
 
+def dropped_unkeyed(server: ServeProcess) -> float:
+    with urllib.request.urlopen(f"{server.http_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    (line,) = [x for x in text.splitlines() if x.startswith('enginectl_fpm_samples_dropped_total{reason="unkeyed"}')]
+    return float(line.split()[-1])
+
+
+async def test_a_sample_without_the_starts_key_is_dropped_and_counted(
+    fpm_server: ServeProcess, stub: svc_grpc.ForwardPassMetricsServiceStub, publisher: RelayPublisher
+) -> None:
+    """A publisher that lacks this start's key (another start's, a stranger on the relay's
+    TCP endpoint) is never relayed (docs/multinode.md); a keyed sample sent after it, on the
+    same socket (ZMQ keeps its order), is."""
+    assert publisher.key, "the relay keeps the start's key beside its ipc socket"
+    w = worker()
+    before = dropped_unkeyed(fpm_server)
+    call = stub.StreamForwardPassMetrics(request([w]))
+    await first_progress(call)
+    publisher.send_unkeyed(frames(w, 1, start=1)[0])
+    await asyncio.to_thread(publisher.send_all, frames(w, 1, start=2))
+    samples, _, _ = await read_until(call, 1)
+    call.cancel()
+    assert [s.counter_id for s in samples] == [2]
+    assert dropped_unkeyed(fpm_server) == before + 1
+
+
 async def test_max_batch_size_bounds_every_batch(
     stub: svc_grpc.ForwardPassMetricsServiceStub, publisher: RelayPublisher
 ) -> None:

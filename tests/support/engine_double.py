@@ -26,6 +26,8 @@ from enginectl.contract.engine import (
     LoadPlan,
     LoadResult,
     PauseReason,
+    Prepared,
+    PreparePlan,
     RankGenerationState,
     TransferAnswer,
     TransferStep,
@@ -33,6 +35,7 @@ from enginectl.contract.engine import (
 )
 from enginectl.server.engine import EngineInfo
 from enginectl.server.worker_calls import RankOutcome
+from enginectl.worker.weights.prepare import prepare
 
 
 @dataclass
@@ -128,6 +131,11 @@ class EngineDouble:
         self.version = version
 
     # --- weights -----------------------------------------------------------------------
+
+    async def prepare(self, plan: PreparePlan) -> list[Prepared]:
+        """The real worker-side check (worker/weights/prepare.py), on this host's files."""
+        self.calls.append("prepare")
+        return [prepare(plan, 0, 0)]
 
     async def load(self, plan: LoadPlan, timeout: float) -> list[LoadResult]:
         self.calls.append("load")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import grpc
 import zmq
 
+from enginectl.contract.fpm import local_relay_key
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
 from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
@@ -64,13 +65,23 @@ def request(
 
 
 class RelayPublisher:
-    """A real ZMQ PUB connected to a server's relay; `connect` waits until frames get through."""
+    """A real ZMQ PUB connected to a server's relay; `connect` waits until frames get through.
+    Its frames carry the start's key, as an EngineCore's do: read where the relay keeps it for
+    its host's publishers (contract/fpm.py `local_relay_key`); `send_unkeyed` sends one without."""
 
     def __init__(self, endpoint: str) -> None:
+        self.key = local_relay_key(endpoint)
         self._context = zmq.Context()
         self.socket = self._context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.SNDHWM, 0)  # the test publisher never drops
         self.socket.connect(endpoint)
+        self._send = self.socket.send
+
+    def send(self, frame: bytes) -> None:
+        self._send(self.key + frame)
+
+    def send_unkeyed(self, frame: bytes) -> None:
+        self._send(frame)
 
     async def connect(self, target: str, timeout: float = 30.0) -> None:
         """PUB drops frames until the relay's subscription reaches it: send probes until one
@@ -82,7 +93,7 @@ class RelayPublisher:
 
             async def probes() -> None:
                 while True:
-                    self.socket.send(frames(probe, 1)[0])
+                    self.send(frames(probe, 1)[0])
                     await asyncio.sleep(0.02)  # ok-sleep: pacing the probes; the stream is what we wait on
 
             sender = asyncio.create_task(probes())
@@ -99,13 +110,13 @@ class RelayPublisher:
         """Send every frame (blocking; run it in a thread), paced in 10 ms slices if asked."""
         if per_second is None:
             for f in data:
-                self.socket.send(f)
+                self.send(f)
             return
         chunk = max(1, int(per_second / 100))
         t0 = time.monotonic()
         for i in range(0, len(data), chunk):
             for f in data[i : i + chunk]:
-                self.socket.send(f)
+                self.send(f)
             ahead = t0 + (i + chunk) / per_second - time.monotonic()
             if ahead > 0:
                 time.sleep(ahead)  # ok-sleep: pacing the publisher's rate, not waiting for an outcome

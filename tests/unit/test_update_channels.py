@@ -15,11 +15,15 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
+import zmq
 import zmq.asyncio
 
+from enginectl.contract import frames
 from enginectl.contract.engine import Cause, LoadPlan, Source, WorkerLayout
-from enginectl.server.weights.sources.channels import UpdateChannels
+from enginectl.contract.engine_config import frame_key
+from enginectl.server.weights.sources.channels import ChannelSettings, DroppedFrames, UpdateChannels
 from enginectl.server.weights.update.operations import ProgressTally, UpdateOperation
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 from enginectl.worker.weights.channel import Abort, Channel
@@ -43,7 +47,7 @@ def _plan(channels: UpdateChannels) -> LoadPlan:
         group="",
         data_endpoints=channels.data_endpoints,
         progress_endpoint=channels.progress_endpoint,
-        deadline=time.time() + 30,
+        timeout_s=30.0,
     )
 
 
@@ -124,3 +128,99 @@ def test_a_rank_has_loaded_what_every_worker_of_it_has() -> None:
     op.record_progress(tally, 1, 1, 7, 700)
     op.record_progress(tally, 1, 0, 4, 400)
     assert (op.metadata.tensors_done, op.metadata.bytes_done) == (2, 200)
+
+
+# --- ranks on other hosts (DESIGN §13): TCP for their workers, a key on every message --------
+
+KEY = frame_key("0123456789abcdef", "00" * 16)
+
+
+@pytest.fixture
+async def spanning(tmp_path: Path) -> UpdateChannels:
+    """Channels of an engine whose rank 1 runs on another host: its workers' sockets listen on
+    TCP (at loopback here: these tests cross no host, tests/e2e/multinode does)."""
+    ctx = zmq.asyncio.Context()
+    settings = ChannelSettings(key=KEY, remote_ranks=frozenset({1}), tcp_address="127.0.0.1")
+    chans = UpdateChannels(ctx, tmp_path, "op", WorkerLayout(DP, TP), settings, DroppedFrames())
+    yield chans
+    chans.close()
+    ctx.destroy(0)
+
+
+def _keyed_plan(channels: UpdateChannels, timeout_s: float = 30.0) -> LoadPlan:
+    return msgspec.structs.replace(
+        _plan(channels), key=channels.key, progress_tcp_endpoint=channels.progress_tcp_endpoint, timeout_s=timeout_s
+    )
+
+
+def test_a_remote_ranks_workers_are_reached_over_tcp(spanning: UpdateChannels) -> None:
+    schemes = [endpoint.split("://")[0] for endpoint in spanning.data_endpoints]
+    assert schemes == ["ipc", "ipc", "tcp", "tcp"]  # rank 0's two workers, then rank 1's
+    assert spanning.progress_tcp_endpoint.startswith("tcp://127.0.0.1:")
+    assert spanning.progress_endpoint.startswith("ipc://")
+
+
+async def test_keyed_chunks_and_progress_reach_every_worker_local_and_remote(spanning: UpdateChannels) -> None:
+    plan = _keyed_plan(spanning)
+    workers = [Channel(plan, place(_worker(r, w))) for r in range(DP) for w in range(TP)]
+    try:
+        for offset in range(CHUNKS):
+            await spanning.send_chunk(offset, bytes([offset]) * 4)
+        got = await asyncio.gather(
+            *(asyncio.to_thread(lambda c=c: [c.recv().offset for _ in range(CHUNKS)]) for c in workers)
+        )
+        assert got == [list(range(CHUNKS))] * (DP * TP)
+        workers[3].progress(2, 20, force=True)  # rank 1, worker 1: over TCP
+        workers[0].progress(1, 10, force=True)  # rank 0, worker 0: over ipc
+        reports = {await asyncio.wait_for(spanning.next_progress(), 10) for _ in range(2)}
+        assert reports == {(1, 1, 2, 20), (0, 0, 1, 10)}
+    finally:
+        for w in workers:
+            w.close()
+
+
+async def test_a_strangers_progress_frame_is_dropped_and_counted(spanning: UpdateChannels) -> None:
+    """Someone who can reach the TCP endpoint but has not this start's key: its frame is never
+    read as progress; the next keyed one is."""
+    dropped = spanning._dropped
+    stranger = zmq.Context.instance().socket(zmq.PUSH)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(spanning.progress_tcp_endpoint)
+    worker = Channel(_keyed_plan(spanning), place(_worker(1, 0)))
+    try:
+        stranger.send(frames.progress(1, 0, 99, 9999))  # no key
+        stranger.send(frames.progress(1, 0, 98, 9998, key=frame_key("0123456789abcdef", "11" * 16)))  # another secret
+        assert await asyncio.wait_for(spanning.next_report(), 10) is None
+        assert await asyncio.wait_for(spanning.next_report(), 10) is None
+        worker.progress(3, 30, force=True)
+        assert await asyncio.wait_for(spanning.next_progress(), 10) == (1, 0, 3, 30)
+        assert dropped.unkeyed == 2
+    finally:
+        worker.close()
+        stranger.close(0)
+
+
+async def test_a_worker_drops_a_data_message_without_the_key(spanning: UpdateChannels) -> None:
+    worker = Channel(_keyed_plan(spanning), place(_worker(0, 0)))
+    try:
+        await spanning.data[0].send_multipart(frames.chunk(7, b"evil"))  # unkeyed: dropped
+        await spanning.data[0].send_multipart(frames.abort(Cause.UPDATE_CANCELLED, "forged"))  # unkeyed: dropped
+        await spanning.data[0].send_multipart(frames.chunk(1, b"good", key=spanning.key))  # only this worker listens
+        chunk = await asyncio.to_thread(worker.recv)
+        assert (chunk.offset, bytes(chunk.data), worker.unkeyed) == (1, b"good", 2)
+    finally:
+        worker.close()
+
+
+async def test_a_worker_counts_the_time_left_on_its_own_clock(spanning: UpdateChannels) -> None:
+    """The plan carries the time left, not the server's wall clock: a worker whose clock is
+    hours off still stops when the update's time is up, and not before."""
+    worker = Channel(_keyed_plan(spanning, timeout_s=0.2), place(_worker(1, 0)))
+    try:
+        began = time.monotonic()
+        with pytest.raises(Abort) as stopped:
+            await asyncio.to_thread(worker.recv)
+        assert stopped.value.cause == Cause.UPDATE_TIMEOUT
+        assert time.monotonic() - began >= 0.2
+    finally:
+        worker.close()

@@ -66,7 +66,7 @@ def test_worker_maps_torch_segments_copy_on_write() -> None:
         group="",
         data_endpoints=(),
         progress_endpoint="",
-        deadline=0.0,
+        timeout_s=0.0,
         handles=tuple(IpcHandle(v.storage_offset(), tuple(v.stride()), segment, nbytes) for v in views.values()),
     )
     trainer_only = _mappings_here(segment)  # the tensor's own storage maps it once

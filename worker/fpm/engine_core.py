@@ -17,7 +17,9 @@ from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
-from enginectl.contract.engine import RankIdentity, wire
+from enginectl.contract.census import RankConfigured
+from enginectl.contract.engine import RankIdentity, read, wire
+from enginectl.contract.engine_config import EngineConfig
 
 
 def _fpm_scheduler(core: EngineCore) -> Any:
@@ -48,3 +50,19 @@ def set_worker_identity(self: EngineCore, worker_id: str, generation: int) -> An
 def get_worker_identity(self: EngineCore) -> Any:
     """The identity this rank holds now."""
     return _answer(_fpm_scheduler(self))
+
+
+def configure(self: EngineCore, config_wire: Any) -> Any:
+    """This start's EngineConfig, sent by the head to every rank once the census is in
+    (contract/engine_config.py): a rank on another node learns the relay's endpoint, the
+    channel secret and the worker id only this way. Answers a RankConfigured."""
+    scheduler = _fpm_scheduler(self)
+    held = scheduler.fpm_configure(read(EngineConfig, config_wire))
+    publisher = scheduler.fpm_publisher
+    return wire(
+        RankConfigured(
+            dp_rank=scheduler.fpm_dp_rank,
+            digest=held.digest(),
+            fpm_endpoint=publisher.config.endpoint if publisher is not None else "",
+        )
+    )

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import zmq
 
+from enginectl.common.host import HostIdentity, host_identity
 from enginectl.contract.engine_config import EngineConfig
 from enginectl.contract.fpm import SCHEMA_VERSION, sample_frame
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
@@ -50,6 +51,8 @@ SUBSCRIBE_WAIT_S = 10.0
 # one it sleeps until woken by the next sample or its heartbeat.
 POLL_INTERVAL_S = 0.001
 ACTIVE_WINDOW_S = 0.1
+# A headless node's rank pings its head's relay this often (ZMTP heartbeats).
+HEAD_HEARTBEAT_IVL_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -60,16 +63,45 @@ class PublisherConfig:
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     incarnation: str = ""
     queue_size: int = DEFAULT_QUEUE_SIZE
+    key: bytes = b""  # every frame begins with it (contract/engine_config.py `frame_key`)
+    # A headless node's rank: without a connection to the relay for this long, the head is
+    # gone and `head_lost` is called (0: not watched).
+    watch_head_s: float = 0.0
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig) -> PublisherConfig:
-        """The publisher's part of `config`, with the defaults where it leaves one open."""
+    def from_engine_config(cls, config: EngineConfig, host: HostIdentity | None = None) -> PublisherConfig:
+        """The publisher's part of `config` for a rank on `host` (default: this one), with
+        the defaults where it leaves one open."""
+        host = host or host_identity()
         return cls(
-            endpoint=config.fpm_endpoint,
+            endpoint=config.fpm_endpoint_for(host.hostname, host.boot_id),
             heartbeat_interval_s=config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S,
             # Never empty on the wire: a server that did not choose one still gets a unique id.
             incarnation=config.incarnation or secrets.token_hex(8),
+            key=config.frame_key(),
+            watch_head_s=config.liveness_timeout_s if config.headless else 0.0,
         )
+
+
+class _HeadWatch:
+    """A headless node rank's view of its connection to the head's relay (publisher thread
+    only): down since when. It counts from the start: a head that never answers is silent."""
+
+    def __init__(self, bound_s: float) -> None:
+        self.bound_s = bound_s
+        self.down_since: float | None = time.monotonic()
+
+    def connection(self, up: bool, now: float) -> None:
+        if up:
+            self.down_since = None
+        elif self.down_since is None:
+            self.down_since = now
+
+    def silent_for(self, now: float) -> float | None:
+        """How long the head has been unreachable, once that is past the bound (else None)."""
+        if self.down_since is None or now - self.down_since < self.bound_s:
+            return None
+        return now - self.down_since
 
 
 class Sample(NamedTuple):
@@ -130,6 +162,7 @@ class FpmPublisher:
         activity: Callable[[], tuple[int, int, int]],
         generation: RankGeneration | None = None,
         clock: Callable[[], float] = time.monotonic,
+        head_lost: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.dp_rank = dp_rank
@@ -150,6 +183,9 @@ class FpmPublisher:
         self._last_kv_usage = 0.0
         self._send_drops = 0  # publisher thread only
         self._stop = threading.Event()
+        # Called once, on the publisher thread, when the head is silent past watch_head_s.
+        self._head_lost = head_lost
+        self._head = _HeadWatch(config.watch_head_s) if config.watch_head_s > 0 else None
         self._thread = threading.Thread(target=self._run, name="enginectl-fpm-publisher", daemon=True)
 
     def start(self) -> FpmPublisher:
@@ -235,12 +271,21 @@ class FpmPublisher:
         # At the high-water mark, fail the send (counted in dropped_since_last) instead of
         # ZMQ's default silent drop.
         sock.setsockopt(zmq.XPUB_NODROP, 1)
+        monitor: zmq.Socket[Any] | None = None
+        if self._head is not None:
+            # ZMTP heartbeats: a head that stops answering (stopped, or the network between
+            # gone) drops the connection after the bound, as a dead one's kernel does at once.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEAD_HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.config.watch_head_s * 1000))
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         try:
             if self.config.endpoint:
                 sock.connect(self.config.endpoint)
                 self._await_subscriber(sock)
             active_until = 0.0
             while not self._stop.is_set():
+                if monitor is not None and self._head_silent(monitor):
+                    return
                 if self._queue:
                     while self._queue:
                         self._send(sock, self._queue.popleft())
@@ -265,8 +310,33 @@ class FpmPublisher:
         except Exception:  # never take the engine down; the relay sees the silence
             log.exception("enginectl FPM publisher stopped")
         finally:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(0)
             sock.close()
             ctx.term()
+
+    def _head_silent(self, monitor: zmq.Socket[Any]) -> bool:
+        """Read the connection's events; once it has been down past the bound, report the
+        head lost (once) and answer True: the thread ends."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        head = self._head
+        assert head is not None
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)["event"]
+            head.connection(event == zmq.EVENT_CONNECTED, time.monotonic())
+        silent = head.silent_for(time.monotonic())
+        if silent is None:
+            return False
+        message = (
+            f"the head at {self.config.endpoint} has been unreachable for {silent:.1f}s "
+            f"(bound {self.config.watch_head_s:.1f}s): this node stops its EngineCores"
+        )
+        log.error("enginectl: %s", message)
+        if self._head_lost is not None:
+            self._head_lost(message)
+        return True
 
     def _await_subscriber(self, sock: zmq.Socket[Any]) -> None:
         """Wait (bounded) for the relay's subscription; samples made meanwhile stay queued."""
@@ -284,7 +354,7 @@ class FpmPublisher:
         # Samples leave in counter order, so send failures add up exactly into the next one.
         msg.dropped_since_last += self._send_drops
         try:
-            sock.send(sample_frame(msg), zmq.NOBLOCK)
+            sock.send(self.config.key + sample_frame(msg), zmq.NOBLOCK)
         except zmq.Again:  # the relay is not reading fast enough: a drop like a full queue
             self._send_drops = msg.dropped_since_last + 1
         else:

@@ -13,6 +13,9 @@ own included, goes through `set_pause_state`, which tells it.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +28,10 @@ from enginectl.worker.fpm.generation import RankGeneration
 from enginectl.worker.fpm.identity import WorkerIdentity
 from enginectl.worker.fpm.load import queued_load, scheduled_load
 from enginectl.worker.fpm.publisher import FpmPublisher, PublisherConfig
+
+# After the head is lost: how long vLLM's own shutdown may take before the process exits.
+STOP_GRACE_S = 5.0
+HEAD_LOST_EXIT_CODE = 1
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -47,13 +54,19 @@ class FpmScheduler(Scheduler):
         self.fpm_generation = RankGeneration()  # before vLLM's init, which may set a pause state
         super().__init__(*args, **kwargs)
         engine_config = EngineConfig.load(self.vllm_config.additional_config)
-        config = PublisherConfig.from_engine_config(engine_config)
         self.fpm_identity = WorkerIdentity(engine_config.worker_id)
         self.fpm_dp_rank = int(self.vllm_config.parallel_config.data_parallel_index)
         # Scheduled outputs whose model output is not processed yet (the batch queue may hold
         # two): id -> (output, start, its metrics or None when empty). The output is kept so
         # its id cannot be reused while pending.
         self._fpm_pending: dict[int, tuple[SchedulerOutput, float, ScheduledLoad | None]] = {}
+        self.fpm_publisher = None
+        self.fpm_config = engine_config
+        self._fpm_publish(engine_config)
+
+    def _fpm_publish(self, engine_config: EngineConfig) -> None:
+        """Publish as `engine_config` says from now on (nothing without a relay endpoint)."""
+        config = PublisherConfig.from_engine_config(engine_config)
         self.fpm_publisher = None
         if config.endpoint:
             self.fpm_publisher = FpmPublisher(
@@ -62,8 +75,28 @@ class FpmScheduler(Scheduler):
                 identity=self.fpm_identity,
                 activity=self._fpm_activity,
                 generation=self.fpm_generation,
+                head_lost=_stop_this_engine_core,
             ).start()
             self.fpm_generation.on_change = self.fpm_publisher.state_changed
+
+    def fpm_configure(self, engine_config: EngineConfig) -> EngineConfig:
+        """Hold `engine_config` (the head's CONFIGURE, on the engine thread: no step runs
+        meanwhile) from now on, keeping this node's own `headless`; answers what is held. The
+        same config again changes nothing (a local rank got it at start); another one replaces
+        the publisher, and a worker id it names becomes this rank's identity unless one was set
+        since the start (SetWorkerIdentity's generations only grow)."""
+        engine_config = engine_config.sent_to(self.fpm_config)
+        if engine_config.digest() == self.fpm_config.digest():
+            return self.fpm_config
+        if engine_config.worker_id and self.fpm_identity.current.generation == 0:
+            self.fpm_identity.set(engine_config.worker_id, 1)
+        previous = self.fpm_publisher
+        self.fpm_generation.on_change = None
+        self.fpm_config = engine_config
+        self._fpm_publish(engine_config)
+        if previous is not None:
+            previous.close()
+        return engine_config
 
     def _fpm_activity(self) -> tuple[int, int, int]:
         """(steps in flight, running, waiting), read by the heartbeat thread: lengths only,
@@ -108,6 +141,15 @@ class FpmScheduler(Scheduler):
         if self.fpm_publisher is not None:
             self.fpm_publisher.close()
         super().shutdown()
+
+
+def _stop_this_engine_core(why: str) -> None:
+    """The head is gone (a headless node's rank; worker/fpm/publisher.py): stop this
+    EngineCore as a SIGTERM does (vLLM's handler ends its busy loop and shuts it down), and
+    exit at once if that has not happened within STOP_GRACE_S. Its node's process
+    (server/headless.py) sees an EngineCore end, stops the others and exits non-zero."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    threading.Timer(STOP_GRACE_S, os._exit, args=(HEAD_LOST_EXIT_CODE,)).start()
 
 
 class FpmAsyncScheduler(FpmScheduler, AsyncScheduler):

@@ -6,6 +6,7 @@ frames are defined in contract/frames.py.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import zmq
@@ -14,6 +15,8 @@ from enginectl.contract import frames
 from enginectl.contract.engine import Cause, LoadPlan, Source
 from enginectl.worker.weights.cores import unbound
 from enginectl.worker.weights.ranks import WorkerPlace
+
+log = logging.getLogger("enginectl.worker.channel")
 
 PROGRESS_INTERVAL_S = 0.05
 POLL_MS = 20
@@ -41,12 +44,18 @@ class Channel:
         with unbound():  # ZMQ starts its I/O thread with the context's first socket
             self.data = self._ctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.LINGER, 0)
-        self.data.connect(plan.data_endpoints[place.index])
+        data_endpoint = plan.data_endpoints[place.index]
+        self.data.connect(data_endpoint)
         self.progress_socket = self._ctx.socket(zmq.PUSH)
         self.progress_socket.setsockopt(zmq.LINGER, 0)
         self.progress_socket.setsockopt(zmq.SNDHWM, 4)
-        self.progress_socket.connect(plan.progress_endpoint)
-        self.deadline = plan.deadline  # time.time() based
+        # A worker the server reaches over TCP (its rank runs on another host) reports there too.
+        remote = data_endpoint.startswith("tcp://") and plan.progress_tcp_endpoint
+        self.progress_socket.connect(plan.progress_tcp_endpoint if remote else plan.progress_endpoint)
+        self.key = plan.key  # every message begins with it (contract/frames.py)
+        self.unkeyed = 0  # data messages dropped for want of it
+        # time.monotonic() based: the time left travels, not the server's clock (DESIGN §13).
+        self.deadline = time.monotonic() + plan.timeout_s
         # On the tensor stream, data frames are the payload: only recv() may read them.
         self._peek_aborts = plan.source != Source.TENSORS
         self.place = place
@@ -57,23 +66,25 @@ class Channel:
     def check(self) -> None:
         """Raise Abort if the server sent one (looked for at most every ABORT_POLL_S) or the
         deadline passed; never blocks."""
-        if time.time() > self.deadline:
+        if time.monotonic() > self.deadline:
             raise Abort(Cause.UPDATE_TIMEOUT, "the update's timeout elapsed")
         if not self._peek_aborts or time.monotonic() < self._next_abort_poll:
             return
         while self.data.poll(0):
-            _chunk_or_raise(self.data.recv_multipart(copy=False))
+            self._chunk_or_raise(self.data.recv_multipart(copy=False))
         self._next_abort_poll = time.monotonic() + ABORT_POLL_S
 
     def recv(self) -> frames.Chunk:
         """The next stream chunk; raises Abort on an abort frame or at the deadline."""
         while True:
-            remaining = self.deadline - time.time()
+            remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 raise Abort(Cause.UPDATE_TIMEOUT, "the update's timeout elapsed while receiving")
             self.flush()
             if self.data.poll(min(POLL_MS * 10, int(remaining * 1000) + 1)):
-                return _chunk_or_raise(self.data.recv_multipart(copy=False))
+                chunk = self._chunk_or_raise(self.data.recv_multipart(copy=False))
+                if chunk is not None:
+                    return chunk
 
     def progress(self, tensors: int, nbytes: int, *, force: bool = False) -> None:
         """Report what this worker has loaded: at most every PROGRESS_INTERVAL_S while loading;
@@ -88,7 +99,7 @@ class Channel:
             return
         try:
             self.progress_socket.send(
-                frames.progress(self.place.dp_rank, self.place.worker_rank, *self._latest), zmq.NOBLOCK
+                frames.progress(self.place.dp_rank, self.place.worker_rank, *self._latest, key=self.key), zmq.NOBLOCK
             )
         except zmq.Again:
             return  # the server is behind; the next progress or flush sends the latest
@@ -101,9 +112,15 @@ class Channel:
         self.data.close(0)
         self.progress_socket.close(linger_ms)
 
-
-def _chunk_or_raise(message: list[zmq.Frame]) -> frames.Chunk:
-    decoded = frames.read_data(message)
-    if isinstance(decoded, frames.Abort):
-        raise Abort(decoded.cause, decoded.message)
-    return decoded
+    def _chunk_or_raise(self, message: list[zmq.Frame]) -> frames.Chunk | None:
+        """A chunk, an Abort raised, or None for a message without this start's key (dropped,
+        counted and logged: DESIGN §13)."""
+        try:
+            decoded = frames.read_data(message, self.key)
+        except frames.Unkeyed:
+            self.unkeyed += 1
+            log.warning("enginectl: dropped %d data message(s) without this start's key", self.unkeyed)
+            return None
+        if isinstance(decoded, frames.Abort):
+            raise Abort(decoded.cause, decoded.message)
+        return decoded

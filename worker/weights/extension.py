@@ -39,13 +39,14 @@ import enginectl
 from enginectl.common import dtypes
 from enginectl.common.host import host_identity
 from enginectl.contract.census import WorkerCensus
-from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, WorkerRpc, read, wire
+from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, PreparePlan, WorkerRpc, read, wire
 from enginectl.contract.engine_config import EngineConfig
 from enginectl.worker.attach import attach
 from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.checks import CheckMixin
 from enginectl.worker.weights.fingerprints import FingerprintMixin, weight_access
 from enginectl.worker.weights.groups import GroupsMixin
+from enginectl.worker.weights.prepare import prepare
 from enginectl.worker.weights.ranks import place
 from enginectl.worker.weights.readers import Reader, open_reader
 from enginectl.worker.weights.staging import StagingMixin
@@ -81,6 +82,13 @@ class EnginectlWorkerExtension(FingerprintMixin, CheckMixin, GroupsMixin, Stagin
         host = host_identity()
         where = place(self)
         return wire(WorkerCensus(where.dp_rank, where.worker_rank, host.hostname, host.boot_id, enginectl.__version__))
+
+    def enginectl_prepare(self, plan_wire: Any) -> Any:
+        """Before an update writes anything: whether this worker can read every file the
+        server planned it from, as planned (a Prepared; worker/weights/prepare.py). Reads
+        headers only and touches no weight."""
+        where = place(self)
+        return wire(prepare(read(PreparePlan, plan_wire), where.dp_rank, where.worker_rank))
 
     def enginectl_load(self, plan_wire: Any) -> Any:
         """Load the weights a LoadPlan names; answers this worker's LoadResult (never raises)."""

@@ -189,7 +189,7 @@ def received_broadcast(
     the next bucket overlaps loading this one. With `bucket_bytes` they come in buckets
     (common/buckets.py): one broadcast per bucket, into a flat receive buffer the bucket's
     tensors are views of. `check` runs between items (it raises Abort to stop), `idle` while
-    nothing arrived; a failed receive raises Abort (GROUP_TIMEOUT once `deadline`, wall clock,
+    nothing arrived; a failed receive raises Abort (GROUP_TIMEOUT once `deadline`, monotonic,
     passed or gloo's own timeout ran out, else STREAM_BROKEN). The one receive of enginectl's
     DISTRIBUTED loads and of its vLLM weight-transfer engine (transfer/engine.py)."""
     if group.broken:
@@ -238,7 +238,7 @@ def received_broadcast(
             if item is None:
                 return
             if isinstance(item, _ReceiveFailed):
-                late = item.timed_out or time.time() >= deadline
+                late = item.timed_out or time.monotonic() >= deadline
                 raise Abort(
                     Cause.GROUP_TIMEOUT if late else Cause.STREAM_BROKEN,
                     f"the broadcast failed: {type(item.error).__name__}: {item.error}",

@@ -258,7 +258,7 @@ def _stage(
             channel.progress(len(staged.specs), total, force=True)
         channel.progress_socket.setsockopt(zmq.SNDTIMEO, STAGED_SEND_TIMEOUT_MS)
         if not lose_report:
-            channel.progress_socket.send(frames.staged(rank, worker))
+            channel.progress_socket.send(frames.staged(rank, worker, channel.key))
         # send() only queues the frame: closed with LINGER 0, the socket would drop what its
         # I/O thread has not written yet, and the server would wait for a report never sent.
         linger_ms = STAGED_SEND_TIMEOUT_MS

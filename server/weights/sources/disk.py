@@ -20,6 +20,7 @@ from typing import BinaryIO
 import grpc
 
 from enginectl.common.safetensors_header import HeaderError, parse_header
+from enginectl.contract.engine import PlannedFile, PlannedTensor
 from enginectl.server.errors import ControlPlaneError, FieldViolation, Reason, invalid_field
 from enginectl.server.limits import MAX_HEADER_BYTES, MAX_INDEX_BYTES, MAX_PATH_BYTES, MAX_SHAPE_RANK
 from enginectl.server.weights.update.plans import TensorInfo
@@ -95,9 +96,16 @@ def _os_error(path: Path, exc: OSError) -> ControlPlaneError:
 
 
 def read_header(path: Path) -> list[TensorInfo]:
-    """The tensors a safetensors file holds, in file order; UNSUPPORTED_FORMAT if the file is
-    not safetensors (pickle, GGUF, ...), its header is malformed, or it is truncated;
-    NOT_A_REGULAR_FILE if it is a FIFO, socket or device."""
+    """The tensors a safetensors file holds, in file order; refused as `read_planned`."""
+    return [TensorInfo(t.name, t.dtype, t.shape) for t in read_planned(path).tensors]
+
+
+def read_planned(path: Path) -> PlannedFile:
+    """A safetensors file's header as an update plans from it (every tensor with its data
+    offsets, in file order: what each worker compares its own copy with before the update
+    writes, sources/prepare.py); UNSUPPORTED_FORMAT if the file is not safetensors (pickle,
+    GGUF, ...), its header is malformed, or it is truncated; NOT_A_REGULAR_FILE if it is a
+    FIFO, socket or device."""
     handle, size = open_regular(path)
     with handle:
         head = handle.read(8)
@@ -114,7 +122,7 @@ def read_header(path: Path) -> list[TensorInfo]:
         entries = parse_header(raw, path.name, data_size=size - 8 - length, max_rank=MAX_SHAPE_RANK)
     except HeaderError as exc:
         raise unsupported(str(exc)) from None
-    return [TensorInfo(e.name, e.dtype, e.shape) for e in entries]
+    return PlannedFile(str(path), tuple(PlannedTensor(e.name, e.dtype, e.shape, e.begin, e.end) for e in entries))
 
 
 def _inside(path: Path, roots: Iterable[Path]) -> bool:

@@ -15,8 +15,11 @@ first; the takeover is logged with who held the name since when, and counted
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Final
 
 import grpc
@@ -60,6 +63,46 @@ def check_group_name(name: str, field: str = "group_name") -> None:
         )
 
 
+def is_loopback(address: str) -> bool:
+    """Whether `address` (an IP address or a host name) means this host only: 127.0.0.0/8,
+    ::1, "localhost", or a name that resolves to loopback addresses only. Resolves names:
+    call it off the control loop. A name that does not resolve is not called loopback (the
+    join then fails as it would)."""
+    host = address.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if host.lower().rstrip(".") == "localhost" or host.lower().endswith(".localhost"):
+        return True
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(resolved) and all(ipaddress.ip_address(str(a).split("%", 1)[0]).is_loopback for a in resolved)
+
+
+def check_master_reachable(address: str, remote_ranks: Mapping[int, str]) -> None:
+    """FAILED_PRECONDITION MASTER_ADDRESS_LOOPBACK when `address` is a loopback address
+    (`is_loopback`) while ranks run on other hosts (`remote_ranks`: dp_rank -> its host):
+    their workers would look for the trainer's store on their own host and time out, after
+    this host's workers joined. Refused before any worker joins."""
+    if not remote_ranks or not is_loopback(address):
+        return
+    ranks = ", ".join(f"rank {rank} on {host}" for rank, host in sorted(remote_ranks.items()))
+    raise ControlPlaneError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        Reason.MASTER_ADDRESS_LOOPBACK,
+        f"master_address {address!r} is a loopback address, which the ranks on other hosts ({ranks}) can not "
+        "reach the trainer at; use an address of the trainer's host that every node can reach",
+        metadata={
+            "master_address": address,
+            "remote_ranks": ",".join(str(rank) for rank in sorted(remote_ranks)),
+            "remote_hosts": ",".join(sorted(set(remote_ranks.values()))),
+        },
+    )
+
+
 def backends() -> list[pb2.UpdateBackend.ValueType]:
     """The update backends this machine offers (NCCL only with CUDA, IPC only on Linux)."""
     found: list[pb2.UpdateBackend.ValueType] = [
@@ -82,8 +125,15 @@ def backends() -> list[pb2.UpdateBackend.ValueType]:
 class UpdateGroups:
     """The groups of one engine: created, being created, and in use by an update."""
 
-    def __init__(self, engine: GroupEngine, on_takeover: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: GroupEngine,
+        on_takeover: Callable[[str], None] | None = None,
+        *,
+        remote_ranks: Mapping[int, str] = MappingProxyType({}),
+    ) -> None:
         self._engine = engine
+        self._remote_ranks = remote_ranks  # dp_rank -> host of the ranks on other hosts (the census)
         self._groups: dict[str, pb2.WeightsUpdateGroup] = {}
         self._created_by: dict[str, str] = {}  # who created each group (servicer_context.caller_of)
         self._pending: set[str] = set()
@@ -128,6 +178,8 @@ class UpdateGroups:
                 Reason.BACKEND_UNAVAILABLE,
                 "NCCL needs CUDA GPUs; this engine has none (use GLOO or the tensor stream)",
             )
+        if self._remote_ranks:  # a name may resolve slowly: off the control loop
+            await asyncio.to_thread(check_master_reachable, request.master_address, self._remote_ranks)
         name = request.group_name
         if name in self._pending:
             raise ControlPlaneError(

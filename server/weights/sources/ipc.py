@@ -11,7 +11,7 @@ that keep every element inside the storage, one CUDA share per engine worker.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -53,6 +53,26 @@ def check_host(host: pb2.HostIdentity, local: HostIdentity = LOCAL_HOST) -> None
             "UpdateWeightsFromTensors or a broadcast group instead",
             metadata={"trainer_host": str(trainer), "server_host": str(local)},
         )
+
+
+def check_ranks_local(remote_ranks: Mapping[int, str]) -> None:
+    """FAILED_PRECONDITION NOT_SAME_HOST when any rank runs on another host than this server
+    (`remote_ranks`: dp_rank -> its host, from the census): an IPC handle names memory of this
+    host only, which a rank elsewhere can not map, so the update would write on this host's
+    ranks and fail on the others (a partial update). Refused before anything is touched."""
+    if not remote_ranks:
+        return
+    ranks = ", ".join(f"rank {rank} on {host}" for rank, host in sorted(remote_ranks.items()))
+    raise ControlPlaneError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        Reason.NOT_SAME_HOST,
+        f"IPC handles are host-local and this engine has ranks on other hosts ({ranks}): they can not map "
+        "the trainer's memory. Send the tensors over UpdateWeightsFromTensors or a broadcast group instead",
+        metadata={
+            "remote_ranks": ",".join(str(rank) for rank in sorted(remote_ranks)),
+            "remote_hosts": ",".join(sorted(set(remote_ranks.values()))),
+        },
+    )
 
 
 def ipc_handles(

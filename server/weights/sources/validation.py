@@ -9,8 +9,9 @@ ipc.py. A request that passes becomes the UpdatePlan (update/plans.py) its updat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 
 import grpc
 
@@ -26,9 +27,9 @@ from enginectl.server.limits import (
     MAX_VIOLATIONS,
 )
 from enginectl.server.weights.convert import parse_pause_mode, parse_timeout
-from enginectl.server.weights.sources.disk import read_header, resolve_checkpoint
+from enginectl.server.weights.sources.disk import read_planned, resolve_checkpoint
 from enginectl.server.weights.sources.groups import UpdateGroups, check_group_name
-from enginectl.server.weights.sources.ipc import check_host, ipc_handles
+from enginectl.server.weights.sources.ipc import check_host, check_ranks_local, ipc_handles
 from enginectl.server.weights.update.plans import TensorInfo, UpdatePlan
 from enginectl.server.weights.version.ledger import WeightVersionLedger
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
@@ -45,8 +46,10 @@ class UpdateValidator:
         allowed_roots: list[Path],
         expected: dict[str, TensorInfo],
         served_dtype: str,
+        remote_ranks: Mapping[int, str] = MappingProxyType({}),
     ) -> None:
         self._ledger = ledger
+        self._remote_ranks = remote_ranks  # dp_rank -> host of the ranks on other hosts (the census)
         self._groups = groups
         self.allowed_roots = allowed_roots
         self._expected = expected
@@ -114,9 +117,12 @@ class UpdateValidator:
     def disk(self, request: pb2.UpdateWeightsFromDiskRequest) -> UpdatePlan:
         common = self._common(request, "")
         files = resolve_checkpoint(request.path, self.allowed_roots)
-        tensors = [info for file in files for info in read_header(file)]
+        headers = tuple(read_planned(file) for file in files)
+        tensors = [TensorInfo(t.name, t.dtype, t.shape) for header in headers for t in header.tensors]
         self.check_tensors(tensors)
-        return UpdatePlan(WeightSource.DISK, tensors, files, "", *common, stage_only=request.stage_only)
+        return UpdatePlan(
+            WeightSource.DISK, tensors, files, "", *common, stage_only=request.stage_only, headers=headers
+        )
 
     def distributed(self, request: pb2.UpdateWeightsFromDistributedRequest) -> UpdatePlan:
         common = self._common(request, "")
@@ -159,8 +165,10 @@ class UpdateValidator:
         return UpdatePlan(WeightSource.TENSORS, tensors, [], "", *common, stage_only=header.stage_only)
 
     def ipc(self, request: pb2.UpdateWeightsFromIpcRequest, num_workers: int) -> UpdatePlan:
-        """The trainer's host first (a trainer elsewhere is told so whatever else it sent),
-        then the tensors as every update's, then their handles (ipc.py)."""
+        """Ranks on other hosts first, then the trainer's host (an update no rank elsewhere
+        could map, or from a trainer elsewhere, is told so whatever else it sent), then the
+        tensors as every update's, then their handles (ipc.py)."""
+        check_ranks_local(self._remote_ranks)
         common = self._common(request, "")
         check_host(request.host)
         tensors = self.specs_from_proto(request.tensors)

@@ -22,12 +22,11 @@ import msgspec
 import structlog
 import zmq.asyncio
 
-from enginectl.contract import frames
 from enginectl.contract.engine import Cause, LoadPlan, Source, WorkerLayout
 from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.limits import RPC_GRACE_S
 from enginectl.server.weights.engine_protocols import UpdateEngine
-from enginectl.server.weights.sources.channels import UpdateChannels
+from enginectl.server.weights.sources.channels import ONE_HOST, ChannelSettings, DroppedFrames, UpdateChannels
 from enginectl.server.weights.sources.groups import BREAKING_CAUSES, UpdateGroups
 from enginectl.server.weights.update.operations import ProgressTally, UpdateOperation
 from enginectl.server.weights.update.outcome import UpdateFailed
@@ -44,11 +43,22 @@ class WorkerSources:
     """Makes the workers' source of each update; owns the ZMQ context and the directory their
     channels bind in."""
 
-    def __init__(self, engine: UpdateEngine, layout: WorkerLayout, groups: UpdateGroups, directory: Path) -> None:
+    def __init__(
+        self,
+        engine: UpdateEngine,
+        layout: WorkerLayout,
+        groups: UpdateGroups,
+        directory: Path,
+        *,
+        settings: ChannelSettings = ONE_HOST,
+        dropped: DroppedFrames | None = None,
+    ) -> None:
         self._engine = engine
         self._layout = layout
         self._groups = groups
         self._dir = directory
+        self._settings = settings
+        self._dropped = dropped if dropped is not None else DroppedFrames()
         self._ctx = zmq.asyncio.Context()
 
     def read(self, plan: UpdatePlan, feed: Feed | None = None) -> WorkersRead:
@@ -56,7 +66,7 @@ class WorkerSources:
         return WorkersRead(self, plan.group, feed)
 
     def channels(self) -> UpdateChannels:
-        return UpdateChannels(self._ctx, self._dir, uuid.uuid4().hex, self._layout)
+        return UpdateChannels(self._ctx, self._dir, uuid.uuid4().hex, self._layout, self._settings, self._dropped)
 
     @property
     def engine(self) -> UpdateEngine:
@@ -192,7 +202,9 @@ def _worker_plan(plan: UpdatePlan, channels: UpdateChannels, deadline: float) ->
         group=plan.group,
         data_endpoints=channels.data_endpoints,
         progress_endpoint=channels.progress_endpoint,
-        deadline=deadline,
+        progress_tcp_endpoint=channels.progress_tcp_endpoint,
+        key=channels.key,
+        timeout_s=max(deadline - time.time(), 0.0),
         bucket_bytes=plan.bucket_bytes,
         handles=plan.handles,
         stage_token=plan.stage_token,
@@ -214,7 +226,9 @@ async def _follow(
                 log.warning("staging ended without every worker's report", operation=op.name, missing=len(pending))
                 return
             continue
-        report = frames.read_report(await channels.progress.recv())
+        report = await channels.next_report()
+        if report is None:
+            continue
         if len(report) == 2:
             pending.discard((report[0], report[1]))
         else:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from enginectl.common import dtypes
 from enginectl.common.vocabulary import WeightSource
-from enginectl.contract.engine import Cause, IpcHandle, LoadResult, TensorSpec
+from enginectl.contract.engine import Cause, IpcHandle, LoadResult, PlannedFile, TensorSpec
 from enginectl.server.weights.update.operations import UpdateOperation
 
 
@@ -60,6 +60,9 @@ class UpdatePlan:
     handles: tuple[IpcHandle, ...] = ()  # IPC: one per tensor (ipc.py)
     stage_only: bool = False  # receive into the staging area; CommitStagedWeights applies it
     stage_token: str = ""  # a commit: load the set the workers staged under this token
+    # DISK: each file's header as the server read it, which every worker compares its own with
+    # before anything is written (sources/prepare.py); one per file, in `files` order.
+    headers: tuple[PlannedFile, ...] = field(default=(), compare=False, repr=False)
     # The source the bytes arrive by when the workers do not read them themselves (a tensor
     # stream, a transfer round); None: they do (WeightUpdates.start chooses).
     via: UpdateSource | None = field(default=None, compare=False, repr=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import urllib.request
+import uuid
 from typing import Any
 
 import grpc
@@ -48,6 +49,24 @@ def test_disk_update_turns_a_into_b_and_back(
     stubs.load(checkpoints.a, "step-2")
     assert greedy_tokens(weights_server) == tokens_a
     assert stubs.verify().verdict == vpb.VERIFY_VERDICT_MATCH
+
+
+def test_disk_update_is_prepared_on_every_worker_before_it_starts(
+    weights_server: ServeProcess, stubs: Stubs, checkpoints: Checkpoints
+) -> None:
+    """Before a disk update exists, every worker of every rank opened the checkpoint's file
+    and compared its header with the one the server planned from (WorkerRpc.PREPARE, DESIGN
+    §13 "Prepare before write"), then the update ran as before. A checkpoint a worker can not
+    read as planned is refused there (tests/unit/test_prepare_before_write.py)."""
+    request_id = str(uuid.uuid4())
+    stubs.load(checkpoints.b, "step-prepared", request_id=request_id)
+    num_workers = stubs.updates.GetServerInfo(upb.GetServerInfoRequest()).num_workers
+    mine = [e for e in weights_server.events() if e.get("request_id") == request_id]
+    events = [e["event"] for e in mine]
+    assert events.index("update prepared") < events.index("weight update started"), events
+    prepared = mine[events.index("update prepared")]
+    assert (prepared["files"], prepared["workers"]) == (1, num_workers)
+    assert stubs.version().version == "step-prepared"
 
 
 def test_update_without_version_leaves_it_undeclared(

@@ -150,7 +150,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """Receive one batch into the group's receive buffers; the model is not touched."""
         if self.group is None:
             raise RuntimeError("no group: call init_weight_transfer_engine first")
-        deadline = time.time() + self.group.timeout
+        deadline = time.monotonic() + self.group.timeout
         try:
             self._received.extend(
                 received_broadcast(

@@ -200,6 +200,19 @@ class WeightUpdateServiceServicer:
         wrong shape, or a dtype it can not load.
         BadRequest lists them (at most 100).
         INVALID_ARGUMENT  TOO_MANY_TENSORS     over ServerLimits.max_tensors_per_update.
+        FAILED_PRECONDITION CHECKPOINT_NOT_ON_RANK  a worker of some rank can not read the
+        files as the server planned the update from
+        them: no such file on its node, not a regular
+        file, unreadable, or a header that differs (a
+        tensor, dtype, shape or offset) or a file cut
+        short. Checked on every worker before anything
+        is paused or written: weights, version and
+        generation as they were, no quarantine.
+        ErrorInfo.metadata: "dp_rank", "worker_rank",
+        "host", "path", "problem" (missing, not_regular,
+        unreadable, not_safetensors, header_differs,
+        truncated) of the first such worker; "ranks"
+        lists every rank with one.
         and the common update errors (see UpdateWeightsFromDiskRequest fields):
         INVALID_ARGUMENT  VERSION_REQUIRED, VERSION_TOO_LONG, VERSION_INVALID, REQUEST_ID_INVALID,
         REQUEST_ID_REUSED, PAUSE_MODE_INVALID, TIMEOUT_INVALID
@@ -232,6 +245,13 @@ class WeightUpdateServiceServicer:
         [A-Za-z0-9._-].
         INVALID_ARGUMENT    MASTER_ADDRESS_INVALID `master_address` empty or over 253 bytes,
         or `master_port` not in 1..65535.
+        FAILED_PRECONDITION MASTER_ADDRESS_LOOPBACK `master_address` is a loopback address
+        (127.0.0.0/8, ::1, localhost, or a name
+        resolving to loopback only) while a rank of
+        this engine runs on another host, which
+        could not reach it; refused before any
+        worker joins. ErrorInfo.metadata:
+        "remote_ranks", "remote_hosts".
         INVALID_ARGUMENT    GROUP_SIZE_INVALID     `rank_offset` < 1, or `world_size` <
         rank_offset + ServerInfo.num_workers, or
         `world_size` over 65536.
@@ -357,6 +377,11 @@ class WeightUpdateServiceServicer:
         FAILED_PRECONDITION NOT_SAME_HOST     `host` is unset or names another host (boot id
         or host name differ), or this server can not
         tell its own; ErrorInfo.metadata has both hosts.
+        Also when a rank of this engine runs on another
+        host (handles are host-local), whatever else
+        the request holds; ErrorInfo.metadata:
+        "remote_ranks", "remote_hosts". IPC is then not
+        in ServerInfo.backends.
         INVALID_ARGUMENT  IPC_HANDLE_INVALID  `handles` not one per tensor, or a malformed
         handle: no storage, a segment name torch does
         not make, strides not one per dimension or
