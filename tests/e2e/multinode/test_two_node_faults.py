@@ -7,8 +7,8 @@ killed): rank 0 on the head, rank 1 on node B in its own network and mount names
 
 from __future__ import annotations
 
-import pytest
 import psutil
+import pytest
 from support.serving import ServeProcess, alive
 from support.two_node import TwoNodes, shared_model, shared_root, two_nodes
 
