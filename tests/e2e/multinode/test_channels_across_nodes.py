@@ -1,5 +1,5 @@
 """Tier 0: enginectl's own channels between the head (this process) and node B
-(tests/support/two_node.py), with no vLLM engine: seconds each (docs/multinode.md).
+(bench/lib/two_node.py), with no vLLM engine: seconds each (docs/multinode.md).
 
 - the FPM relay, bound as `enginectl serve` binds it when ranks span hosts (ipc:// and TCP on
   the head's address, keyed), and a rank's real FpmPublisher on node B configured as CONFIGURE

@@ -1,4 +1,4 @@
-"""Tier 1: one vLLM engine whose rank 1 runs on node B (tests/support/two_node.py), every promise
+"""Tier 1: one vLLM engine whose rank 1 runs on node B (bench/lib/two_node.py), every promise
 of DESIGN §13 held on it (docs/multinode.md).
 
 The head, `enginectl serve --data-parallel-size 2 --data-parallel-size-local 1

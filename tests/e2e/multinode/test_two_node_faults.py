@@ -1,4 +1,4 @@
-"""Tier 1, faults at the start and the end of a two-node engine (tests/support/two_node.py,
+"""Tier 1, faults at the start and the end of a two-node engine (bench/lib/two_node.py,
 docs/multinode.md): the head killed, and a node B that runs without enginectl's classes.
 
 Each test starts its own head and node B (the pair of test_two_node_engine.py ends with node B

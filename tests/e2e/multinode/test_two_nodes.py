@@ -1,4 +1,4 @@
-"""The two-node harness (tests/support/two_node.py) is honest, and what crosses nodes crosses it.
+"""The two-node harness (bench/lib/two_node.py) is honest, and what crosses nodes crosses it.
 
 Tier 0: no vLLM engine, a few seconds each. Node B is apart where a second host would be (host
 name, /tmp, /dev/shm, loopback), and the harness leaves nothing behind; a ZMQ socket on the
