@@ -36,6 +36,7 @@ from bench.lib.procs import (
 )
 from bench.lib.progress import log
 from bench.lib.provenance import machine_info, repo_info
+from bench.multinode import phase as multinode
 from bench.rollouts import phase as rollouts_grpc
 from bench.run_report import TARGETS, figures, markdown
 from bench.weights import load_check, tensor_parallel
@@ -57,6 +58,7 @@ PHASES = (
     "fleet",
     "tensor_parallel",
     "load_check",
+    "multinode",
 )
 DIAGNOSTIC_VARIANTS = ("bare-uvloop", "intercepted-nolog", "intercepted", "controlplane")
 
@@ -380,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             results["tensor_parallel"] = tensor_parallel.phase(args.quick)
         if "load_check" in phases:  # its own --load-check full and finite servers on the same synthetic models
             results["load_check"] = load_check.phase(args.quick)
+        if "multinode" in phases:  # its own DP=2 engines: one host, and rank 1 on node B
+            results["multinode"] = multinode.phase(args.quick)
         results["enginectl_log_lines"] = eng.lines_seen
     finally:
         if vllm:

@@ -9,6 +9,7 @@ from bench.fpm import phase as fpm
 from bench.fpm import publish as fpm_publish
 from bench.gateway import phase as gateway
 from bench.lib.stats import ratio
+from bench.multinode import phase as multinode
 from bench.rollouts import phase as rollouts_grpc
 from bench.weights import load_check, tensor_parallel
 from bench.weights import phase as weights
@@ -125,6 +126,7 @@ def figures(results: dict) -> list[dict]:
     out += fleet.figures(results)
     out += tensor_parallel.figures(results)
     out += load_check.figures(results)
+    out += multinode.figures(results)
     return out
 
 
