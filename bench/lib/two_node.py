@@ -14,7 +14,9 @@ the root namespaces. Node B is set apart by `TwoNodes` as a second host would be
   files there: `ipc://` sockets, POSIX shared memory (torch's `/dev/shm/torch_*` segments), a
   checkpoint written under /tmp. `node_private` is a folder that exists on node B only. Every
   other path is shared, as a shared filesystem (NFS) is: the venv, the repository, pytest's
-  cache folder (`shared_root`, where both nodes find the tiny model: `shared_model`).
+  cache folder (`shared_root`, where both nodes find the tiny model: `shared_model`). The
+  repository and its venv stay shared when they lie under /tmp (a CI's clean clone): node B's
+  anchor mounts them back over its private /tmp at their own paths.
 - **host name**: `node-b` (UTS namespace), and an /etc/hosts of its own that resolves it to
   `node_address`, as a cluster's DNS would.
 - **environment**: `node_env()`, built from nothing: node B never inherits the head's.
@@ -84,19 +86,42 @@ NODE_PASSTHROUGH = (
 )
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 REQUIRED_TOOLS = ("ip", "nsenter", "unshare")
+PRIVATE_PATHS = (Path("/tmp"), Path("/dev/shm"))  # node B mounts its own over these
+REPO = Path(__file__).resolve().parents[2]
 
 # Node B's anchor: /etc/hosts naming node-b ($1, bound before /tmp is covered), private /tmp
-# and /dev/shm, the host name, the node-private folder ($2); then it holds the namespaces
-# until its stdin closes.
+# and /dev/shm, the host name, the node-private folder ($2); the shared folders that lie under
+# /tmp or /dev/shm ($3...: the repository and its venv when checked out there, as CI's clean
+# clones are) held on a scratch tmpfs over /mnt while the private ones are mounted, then moved
+# back to their own paths, so node B sees them as a shared filesystem; then it holds the
+# namespaces until its stdin closes.
 _ANCHOR_SCRIPT = (
-    'mount --bind "$1" /etc/hosts'
+    'hosts="$1"; private="$2"; shift 2'
+    ' && mount --bind "$hosts" /etc/hosts'
+    " && mount -t tmpfs -o mode=0700 tmpfs /mnt"
+    ' && n=0 && for path in "$@"; do n=$((n+1)); mkdir -p /mnt/$n && mount --bind "$path" /mnt/$n || exit 1; done'
     " && mount -t tmpfs -o mode=1777 tmpfs /tmp"
     " && mount -t tmpfs -o mode=1777 tmpfs /dev/shm"
+    ' && n=0 && for path in "$@"; do n=$((n+1)); mkdir -p "$path" && mount --move /mnt/$n "$path" || exit 1; done'
     f" && hostname {NODE_HOSTNAME}"
-    ' && mkdir -p "$2"'
+    ' && mkdir -p "$private"'
     " && echo ready"
     " && read _"
 )
+
+
+def shared_under_private() -> list[str]:
+    """The folders node B must share with the head (the repository, the venv) that lie under
+    the paths it gets private copies of (/tmp, /dev/shm): outermost first, none inside another."""
+    candidates = sorted({str(REPO), str(BIN.parent.resolve())})
+    out: list[str] = []
+    for path in candidates:
+        if any(Path(path).is_relative_to(p) for p in PRIVATE_PATHS) and not any(
+            Path(path).is_relative_to(kept) for kept in out
+        ):
+            out.append(path)
+    return out
+
 
 _instances = itertools.count()
 
@@ -203,7 +228,7 @@ class TwoNodes:
             [
                 *("ip", "netns", "exec", self.namespace),
                 *("unshare", "--mount", "--uts", "--propagation", "private"),
-                *("sh", "-c", _ANCHOR_SCRIPT, "anchor", str(hosts), str(self.node_private)),
+                *("sh", "-c", _ANCHOR_SCRIPT, "anchor", str(hosts), str(self.node_private), *shared_under_private()),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
