@@ -111,9 +111,14 @@ _ANCHOR_SCRIPT = (
 
 
 def shared_under_private() -> list[str]:
-    """The folders node B must share with the head (the repository, the venv) that lie under
+    """The folders node B must share with the head (the repository, the venv, the checkout the
+    venv's enginectl is installed from, when it is another) that lie under
     the paths it gets private copies of (/tmp, /dev/shm): outermost first, none inside another."""
-    candidates = sorted({str(REPO), str(BIN.parent.resolve())})
+    import enginectl
+
+    installed = Path(enginectl.__file__).resolve().parent  # protos/enginectl of the installed checkout
+    source = next((p for p in installed.parents if (p / "pyproject.toml").exists()), installed)
+    candidates = sorted({str(REPO), str(BIN.parent.resolve()), str(source)})
     out: list[str] = []
     for path in candidates:
         if any(Path(path).is_relative_to(p) for p in PRIVATE_PATHS) and not any(
