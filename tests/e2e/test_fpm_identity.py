@@ -9,9 +9,8 @@ server's tests run in file order.
 from __future__ import annotations
 
 import json
-import threading
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 
 import grpc
@@ -19,12 +18,11 @@ import pytest
 from google.protobuf import duration_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
+from support.fpm_helpers import SampleStream
 from support.serving import READY_TIMEOUT_S, ServeProcess, alive
 
 from enginectl.client.errors import EnginectlError, Reason, from_rpc_error
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
-from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
-from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
 from enginectl.fpm.v1 import fpm_identity_service_pb2 as id_pb2
 from enginectl.fpm.v1 import fpm_identity_service_pb2_grpc as id_grpc
 
@@ -35,43 +33,6 @@ WAIT_S = 120.0
 
 
 # -- helpers ----------------------------------------------------------------------------------
-class SampleStream:
-    """A StreamForwardPassMetrics subscriber on a thread (heartbeats included), from the
-    incarnation's first kept sample; `wait_for` blocks on a condition with a deadline."""
-
-    def __init__(self, target: str) -> None:
-        self.samples: list[fpm_pb2.ForwardPassMetrics] = []
-        self.progress = 0
-        self._cond = threading.Condition()
-        self._channel = grpc.insecure_channel(target)
-        request = svc_pb2.StreamForwardPassMetricsRequest(include_heartbeats=True, resume_after_sequence=0)
-        self._call = svc_grpc.ForwardPassMetricsServiceStub(self._channel).StreamForwardPassMetrics(request)
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        try:
-            for message in self._call:
-                with self._cond:
-                    self.samples.extend(message.batch.samples)
-                    self.progress += message.HasField("progress")
-                    self._cond.notify_all()
-        except grpc.RpcError:
-            pass
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait_for(self, done: Callable[[list[fpm_pb2.ForwardPassMetrics]], bool], timeout: float = WAIT_S) -> None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: done(self.samples) or not self._thread.is_alive(), timeout):
-                pytest.fail(f"stream condition not met in {timeout}s; {len(self.samples)} samples")
-            assert done(self.samples), "the stream ended"
-
-    def close(self) -> None:
-        self._call.cancel()
-        self._channel.close()
-
-
 def has(samples: list[fpm_pb2.ForwardPassMetrics], rank: int, kind: int, worker_id: str, generation: int) -> bool:
     return any(
         (s.dp_rank, s.kind, s.worker_id, s.identity_generation) == (rank, kind, worker_id, generation) for s in samples

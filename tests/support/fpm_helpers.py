@@ -9,11 +9,13 @@ it stands in for the engine only to control the rate and the content of samples.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
+import pytest
 import zmq
 
 from enginectl.contract.fpm import local_relay_key
@@ -205,3 +207,46 @@ class CuttableProxy:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+
+# A thread's subscriber, for tests that wait on a condition over everything streamed.
+STREAM_WAIT_S = 120.0
+
+
+class SampleStream:
+    """A StreamForwardPassMetrics subscriber on a thread (heartbeats included), from the
+    incarnation's first kept sample; `wait_for` blocks on a condition with a deadline."""
+
+    def __init__(self, target: str) -> None:
+        self.samples: list[fpm_pb2.ForwardPassMetrics] = []
+        self.progress = 0
+        self._cond = threading.Condition()
+        self._channel = grpc.insecure_channel(target)
+        request = svc_pb2.StreamForwardPassMetricsRequest(include_heartbeats=True, resume_after_sequence=0)
+        self._call = svc_grpc.ForwardPassMetricsServiceStub(self._channel).StreamForwardPassMetrics(request)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for message in self._call:
+                with self._cond:
+                    self.samples.extend(message.batch.samples)
+                    self.progress += message.HasField("progress")
+                    self._cond.notify_all()
+        except grpc.RpcError:
+            pass
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for(
+        self, done: Callable[[list[fpm_pb2.ForwardPassMetrics]], bool], timeout: float = STREAM_WAIT_S
+    ) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: done(self.samples) or not self._thread.is_alive(), timeout):
+                pytest.fail(f"stream condition not met in {timeout}s; {len(self.samples)} samples")
+            assert done(self.samples), "the stream ended"
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._channel.close()

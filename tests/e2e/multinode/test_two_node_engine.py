@@ -15,9 +15,8 @@ One engine pair for the module; its tests run in file order, and the last one ki
 from __future__ import annotations
 
 import shutil
-import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -25,6 +24,7 @@ import grpc
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.fpm_helpers import SampleStream
 from support.serving import BIN, ServeProcess
 from support.two_node import NODE_HOSTNAME, TwoNodes, shared_model, shared_root, two_nodes
 from support.weights import Checkpoints, build_checkpoints, generate_on_rank
@@ -34,8 +34,6 @@ from bench.lib.procs import free_port
 from enginectl.client import TrainerClient
 from enginectl.client.errors import EnginectlError
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
-from enginectl.fpm.v1 import forward_pass_metrics_service_pb2 as svc_pb2
-from enginectl.fpm.v1 import forward_pass_metrics_service_pb2_grpc as svc_grpc
 from enginectl.fpm.v1 import fpm_identity_service_pb2 as id_pb2
 from enginectl.fpm.v1 import fpm_identity_service_pb2_grpc as id_grpc
 
@@ -105,39 +103,6 @@ def health(target: str) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
 
-class Samples:
-    """A StreamForwardPassMetrics subscriber on a thread (heartbeats included)."""
-
-    def __init__(self, target: str) -> None:
-        self.samples: list[fpm_pb2.ForwardPassMetrics] = []
-        self._cond = threading.Condition()
-        self._channel = grpc.insecure_channel(target)
-        request = svc_pb2.StreamForwardPassMetricsRequest(include_heartbeats=True)
-        self._call = svc_grpc.ForwardPassMetricsServiceStub(self._channel).StreamForwardPassMetrics(request)
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        try:
-            for message in self._call:
-                with self._cond:
-                    self.samples.extend(message.batch.samples)
-                    self._cond.notify_all()
-        except grpc.RpcError:
-            pass
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait_for(self, done: Callable[[list[fpm_pb2.ForwardPassMetrics]], bool], timeout: float = WAIT_S) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: done(self.samples) or not self._thread.is_alive(), timeout)
-            assert done(self.samples), f"not within {timeout}s; {len(self.samples)} samples: {self.samples[-4:]}"
-
-    def close(self) -> None:
-        self._call.cancel()
-        self._channel.close()
-
-
 def test_the_census_places_rank_1_on_node_b(pair: Pair) -> None:
     with TrainerClient(pair.head.grpc_target, timeout=60.0) as c:
         info = c.get_server_info()
@@ -151,7 +116,7 @@ def test_fpm_samples_of_both_ranks_carry_the_worker_id_set_after_start(pair: Pai
     """Rank 1's publisher, on node B, got the relay's TCP endpoint and the start's key by
     utility (its environment has neither); after SetWorkerIdentity both ranks' samples carry
     the id and its generation."""
-    stream = Samples(pair.head.grpc_target)
+    stream = SampleStream(pair.head.grpc_target)
     try:
         stream.wait_for(lambda s: {x.dp_rank for x in s} == {0, 1})
         with grpc.insecure_channel(pair.head.grpc_target) as channel:
