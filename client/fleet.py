@@ -53,6 +53,7 @@ from enginectl.client.fleet_types import (
 )
 from enginectl.client.planner import Planner, PlannerThread, RankState, latest_ranks
 from enginectl.client.trainer import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, AsyncTrainerClient
+from enginectl.client.trainer_broadcast import refuse_loopback_master
 from enginectl.client.trainer_requests import duration
 from enginectl.client.trainer_tensors import BroadcastGroup, TensorSource, named_tensors, tensor_spec
 from enginectl.client.trainer_types import StagedWeights, UpdateOperation, UpdateResult, Verification
@@ -170,8 +171,14 @@ class AsyncFleet:
         timeout: float = 60.0,
     ) -> dict[str, int]:
         """One group spanning this trainer (rank 0) and every engine's workers, server after
-        server (the rank offsets it returns, by target): one broadcast feeds the fleet."""
-        after, workers = await self._servers.worker_offsets()
+        server (the rank offsets it returns, by target): one broadcast feeds the fleet.
+
+        FailedPreconditionError MASTER_ADDRESS_LOOPBACK, before anything is hosted or joined,
+        when `master_address` is a loopback address and a rank of a server runs on another host
+        than this process."""
+        infos = await self._servers.infos()
+        await refuse_loopback_master(master_address, infos)
+        after, workers = await self._servers.worker_offsets(infos)
         offsets, world = {t: 1 + o for t, o in after.items()}, 1 + workers
         group = await asyncio.to_thread(
             BroadcastGroup.host, group_name, backend, master_address, master_port, world, timeout

@@ -21,7 +21,7 @@ from enginectl.client.fleet_types import FleetError, FleetStage, FleetStageError
 from enginectl.client.progress import FleetProgress
 from enginectl.client.trainer import AsyncTrainerClient
 from enginectl.client.trainer_operations import POLL_S
-from enginectl.client.trainer_types import UpdateOperation
+from enginectl.client.trainer_types import ServerInfo, UpdateOperation
 
 T = TypeVar("T")
 
@@ -58,17 +58,23 @@ class FleetServers:
             raise FleetStageError("could not read every server's version; nothing was staged", failed)
         return {t: v.etag for t, v in read.items() if not isinstance(v, EnginectlError)}
 
-    async def worker_offsets(self) -> tuple[dict[str, int], int]:
-        """How many workers come before each server's, in target order, and all of them: the
-        ranks of a group that spans the trainer and every server's workers."""
+    async def infos(self) -> dict[str, ServerInfo]:
+        """Every server's GetServerInfo, by target; FleetError if one can not be read."""
         infos = await self.each(lambda _, c: c.get_server_info())
         failed = {t: ServerOutcome(t, i) for t, i in infos.items() if isinstance(i, EnginectlError)}
         if failed:
             raise FleetError("could not read every server", failed)
+        return {t: i for t, i in infos.items() if isinstance(i, ServerInfo)}
+
+    async def worker_offsets(self, infos: dict[str, ServerInfo] | None = None) -> tuple[dict[str, int], int]:
+        """How many workers come before each server's, in target order, and all of them: the
+        ranks of a group that spans the trainer and every server's workers (from `infos`, else
+        read now)."""
+        infos = infos if infos is not None else await self.infos()
         offsets, before = {}, 0
         for target in self.targets:
             offsets[target] = before
-            before += infos[target].num_workers  # type: ignore[union-attr]
+            before += infos[target].num_workers
         return offsets, before
 
     async def stage_results(

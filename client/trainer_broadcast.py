@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import grpc
+
 from enginectl.client._sync import LoopThread, blocking
+from enginectl.client.errors import FailedPreconditionError, Reason
 from enginectl.client.trainer_operations import require_done
 from enginectl.client.trainer_requests import GRACE_S, UpdateOptions
 from enginectl.client.trainer_tensors import (
@@ -22,8 +26,15 @@ from enginectl.client.trainer_tensors import (
     named_tensors,
     tensor_spec,
 )
-from enginectl.client.trainer_types import TrainerCalls, UpdateOperation, UpdateResult, WeightsUpdateGroup
+from enginectl.client.trainer_types import (
+    ServerInfo,
+    TrainerCalls,
+    UpdateOperation,
+    UpdateResult,
+    WeightsUpdateGroup,
+)
 from enginectl.common.buckets import cut
+from enginectl.common.host import host_identity, is_loopback
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 if TYPE_CHECKING:
@@ -175,9 +186,15 @@ class BroadcastUpdates:
     ) -> WeightsUpdateGroup:
         """Create the private group `group_name` with the server: this process is rank 0 and
         hosts its TCPStore at master_address:master_port (0: a free port); the engine's
-        workers join as ranks rank_offset.. . Returns once every member joined."""
+        workers join as ranks rank_offset.. . Returns once every member joined.
+
+        FailedPreconditionError MASTER_ADDRESS_LOOPBACK, before anything is hosted or joined,
+        when `master_address` is a loopback address and a rank of the server runs on another
+        host than this process (its workers would dial their own loopback)."""
+        info = await self._client.get_server_info()
+        await refuse_loopback_master(master_address, {"": info})
         if world_size is None:
-            world_size = rank_offset + (await self._client.get_server_info()).num_workers
+            world_size = rank_offset + info.num_workers
         group = await asyncio.to_thread(
             BroadcastGroup.host, group_name, backend, master_address, master_port, world_size, timeout
         )
@@ -302,3 +319,28 @@ class BroadcastUpdates:
         broadcast = await self.start(tensors, options, group_name, progress, bucket_bytes)
         await broadcast.send()
         return await broadcast.wait()
+
+
+async def refuse_loopback_master(master_address: str, servers: Mapping[str, ServerInfo]) -> None:
+    """FailedPreconditionError MASTER_ADDRESS_LOOPBACK when `master_address` is a loopback
+    address and a rank of one of `servers` (target -> its GetServerInfo) runs on another host
+    than this process: that rank's workers would look for this trainer's store on their own
+    host and the join would end GROUP_TIMEOUT, after the others joined. Ranks are placed by
+    the servers' census (RankInfo.host_id against this host's; docs/multinode.md)."""
+    here = host_identity().host_id
+    elsewhere = [
+        f"{f'{target}: ' if target else ''}rank {r.dp_rank} on {r.host}"
+        for target, info in servers.items()
+        for r in info.ranks
+        if r.host_id and r.host_id != here
+    ]
+    if not elsewhere or not await asyncio.to_thread(is_loopback, master_address):
+        return
+    raise FailedPreconditionError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"master_address {master_address!r} is a loopback address, which ranks on other hosts "
+        f"({', '.join(elsewhere)}) can not reach this trainer at; pass master_address=an address of this "
+        "host every node reaches",
+        Reason.MASTER_ADDRESS_LOOPBACK,
+        {"master_address": master_address},
+    )

@@ -276,6 +276,7 @@ class RankInfo:
     enginectl_version: str
     num_workers: int
     enginectl_scheduler: bool
+    host_id: str = ""  # opaque id of its host and boot (common/host.py); "" from an older server
 
 
 @dataclass(frozen=True)
@@ -318,7 +319,9 @@ class ServerInfo:
             max_staged_bytes=msg.staging.max_staged_bytes,
             staged_ttl=msg.staging.ttl.ToTimedelta().total_seconds(),
             ranks=tuple(
-                RankInfo(r.dp_rank, r.host, r.local, r.enginectl_version, r.num_workers, r.enginectl_scheduler)
+                RankInfo(
+                    r.dp_rank, r.host, r.local, r.enginectl_version, r.num_workers, r.enginectl_scheduler, r.host_id
+                )
                 for r in msg.ranks
             ),
         )

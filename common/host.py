@@ -10,6 +10,8 @@ itself (docs/weights.md, "Same-host updates").
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,12 @@ class HostIdentity:
     def __str__(self) -> str:
         return f"{self.hostname or '?'} (boot {self.boot_id or 'unknown'})"
 
+    @property
+    def host_id(self) -> str:
+        """An opaque id of this boot of this host (GetServerInfo's RankInfo.host_id): equal for
+        two processes exactly when their identities are, without showing the boot id."""
+        return hashlib.sha256(f"{self.boot_id}\0{self.hostname}".encode()).hexdigest()[:16]
+
 
 def host_identity() -> HostIdentity:
     """This process's host identity, read now."""
@@ -35,3 +43,25 @@ def host_identity() -> HostIdentity:
     except OSError:
         boot_id = ""
     return HostIdentity(boot_id, socket.gethostname())
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `address` (an IP address or a host name) means this host only: 127.0.0.0/8,
+    ::1, "localhost", or a name that resolves to loopback addresses only. Resolves names:
+    call it off the control loop. A name that does not resolve is not called loopback (the
+    join then fails as it would)."""
+    host = address.strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+        return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+    if host.lower().rstrip(".") == "localhost" or host.lower().endswith(".localhost"):
+        return True
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(resolved) and all(ipaddress.ip_address(str(a).split("%", 1)[0]).is_loopback for a in resolved)

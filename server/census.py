@@ -94,6 +94,7 @@ class Census:
                     enginectl_version=rank.enginectl_version,
                     num_workers=len(rank.workers),
                     enginectl_scheduler=rank.enginectl_scheduler,
+                    host_id=HostIdentity(rank.boot_id, rank.hostname).host_id,
                 )
             )
         return out

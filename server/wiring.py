@@ -19,7 +19,6 @@ them (server/flags.py has already turned the flags into a ServeConfig, server/co
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,7 +27,7 @@ import structlog
 
 import enginectl
 from enginectl.common.gateway import SmgWorkers
-from enginectl.common.host import host_identity
+from enginectl.common.host import host_identity, is_loopback
 from enginectl.contract.engine import QUICK_RPC_TIMEOUT_S, UNDECLARED_LABEL
 from enginectl.contract.engine_config import EngineConfig, frame_key
 from enginectl.server.census import Census, take_census
@@ -147,11 +146,7 @@ async def configure_ranks(engine: EngineAdapter, census: Census, config: EngineC
 
 def _loopback(endpoint: str) -> bool:
     """Whether a tcp:// endpoint's host is a loopback address."""
-    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+    return is_loopback(endpoint.removeprefix("tcp://").rsplit(":", 1)[0])
 
 
 def rollout_service(

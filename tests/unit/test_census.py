@@ -39,6 +39,7 @@ def test_an_engine_whose_ranks_agree_serves_and_lists_where_each_runs() -> None:
         (0, "node-a", True, 1),
         (1, "node-b", False, 1),
     ]
+    assert [r.host_id for r in census.ranks()] == [HERE.host_id, THERE.host_id] != [HERE.host_id] * 2
 
 
 def test_a_mixed_engine_is_refused_naming_every_rank_its_host_and_why() -> None:

@@ -69,3 +69,34 @@ def test_plain_progress_bar_draws_bytes_and_phase() -> None:
     assert len(lines) == 2
     assert "50.0%" in lines[0] and "2/4 tensors" in lines[0] and "LOADING" in lines[0]
     assert "100.0%" in lines[1] and "DONE" in lines[1] and lines[1].endswith("\n")
+
+
+async def test_a_loopback_master_is_refused_when_a_rank_runs_on_another_host() -> None:
+    """Before a trainer hosts a group, it compares every rank's host (GetServerInfo's
+    RankInfo.host_id, from the servers' census) with its own: a loopback master_address with a
+    rank elsewhere is FAILED_PRECONDITION MASTER_ADDRESS_LOOPBACK, naming the rank; a routable
+    address, or every rank on this host, passes (docs/multinode.md)."""
+    import pytest
+
+    from enginectl.client.errors import FailedPreconditionError
+    from enginectl.client.trainer_broadcast import refuse_loopback_master
+    from enginectl.client.trainer_types import ServerInfo
+    from enginectl.common.host import HostIdentity, host_identity
+    from enginectl.weights.v1 import weight_update_service_pb2 as pb2
+
+    here, there = host_identity(), HostIdentity("another-boot", "node-b")
+
+    def server(*hosts: HostIdentity) -> ServerInfo:
+        ranks = [pb2.RankInfo(dp_rank=r, host=h.hostname, host_id=h.host_id) for r, h in enumerate(hosts)]
+        return ServerInfo.from_proto(pb2.GetServerInfoResponse(ranks=ranks))
+
+    with pytest.raises(FailedPreconditionError) as refused:
+        await refuse_loopback_master("127.0.0.1", {"a:1": server(here), "b:2": server(here, there)})
+    assert refused.value.reason == "MASTER_ADDRESS_LOOPBACK"
+    assert "b:2: rank 1 on node-b" in refused.value.message and "a:1" not in refused.value.message
+    with pytest.raises(FailedPreconditionError):
+        await refuse_loopback_master("localhost", {"": server(there)})
+    await refuse_loopback_master("10.0.0.7", {"": server(here, there)})  # routable: every node dials it
+    await refuse_loopback_master("127.0.0.1", {"": server(here, here)})  # every rank here
+    older = ServerInfo.from_proto(pb2.GetServerInfoResponse(ranks=[pb2.RankInfo(dp_rank=0, host="node-b")]))
+    await refuse_loopback_master("127.0.0.1", {"": older})  # a server without host ids: its own check stands

@@ -15,8 +15,6 @@ first; the takeover is logged with who held the name since when, and counted
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import socket
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -25,6 +23,7 @@ from typing import Final
 import grpc
 import structlog
 
+from enginectl.common.host import is_loopback
 from enginectl.contract.engine import Backend, Cause, GroupJoined, GroupSpec, RankFailure
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.limits import (
@@ -61,25 +60,6 @@ def check_group_name(name: str, field: str = "group_name") -> None:
         raise invalid_field(
             Reason.GROUP_NAME_INVALID, field, f"1-{MAX_GROUP_NAME_BYTES} bytes of letters, digits, '-', '_' or '.'"
         )
-
-
-def is_loopback(address: str) -> bool:
-    """Whether `address` (an IP address or a host name) means this host only: 127.0.0.0/8,
-    ::1, "localhost", or a name that resolves to loopback addresses only. Resolves names:
-    call it off the control loop. A name that does not resolve is not called loopback (the
-    join then fails as it would)."""
-    host = address.strip("[]")
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    if host.lower().rstrip(".") == "localhost" or host.lower().endswith(".localhost"):
-        return True
-    try:
-        resolved = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
-    except (OSError, UnicodeError):
-        return False
-    return bool(resolved) and all(ipaddress.ip_address(str(a).split("%", 1)[0]).is_loopback for a in resolved)
 
 
 def check_master_reachable(address: str, remote_ranks: Mapping[int, str]) -> None:

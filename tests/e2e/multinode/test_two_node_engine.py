@@ -32,10 +32,12 @@ from support.weights import Checkpoints, build_checkpoints, generate_on_rank
 from bench.lib import harness
 from bench.lib.procs import free_port
 from enginectl.client import TrainerClient
-from enginectl.client.errors import EnginectlError
+from enginectl.client.errors import EnginectlError, from_rpc_error
 from enginectl.fpm.v1 import forward_pass_metrics_pb2 as fpm_pb2
 from enginectl.fpm.v1 import fpm_identity_service_pb2 as id_pb2
 from enginectl.fpm.v1 import fpm_identity_service_pb2_grpc as id_grpc
+from enginectl.weights.v1 import weight_update_service_pb2 as upb
+from enginectl.weights.v1 import weight_update_service_pb2_grpc as upb_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -196,6 +198,9 @@ def test_a_checkpoint_only_the_head_holds_is_refused_before_any_write(pair: Pair
 
 
 def test_a_broadcast_whose_master_is_the_heads_loopback_is_refused_before_anything_joins(pair: Pair) -> None:
+    """Refused twice over: the trainer client sees rank 1's host differ from its own
+    (RankInfo.host_id) and hosts nothing; a client that does not look (a raw gRPC call, as
+    grpcurl makes) is refused by the server before any worker joins."""
     with TrainerClient(pair.head.grpc_target, timeout=WAIT_S) as c:
         with pytest.raises(EnginectlError) as refused:
             c.init_weights_update_group("loopback", master_address="127.0.0.1", timeout=30)
@@ -203,6 +208,20 @@ def test_a_broadcast_whose_master_is_the_heads_loopback_is_refused_before_anythi
             grpc.StatusCode.FAILED_PRECONDITION,
             "MASTER_ADDRESS_LOOPBACK",
         )
+        assert "rank 1 on node-b" in refused.value.message, refused.value.message
+    request = upb.InitWeightsUpdateGroupRequest(
+        group_name="raw-loopback",
+        master_address="127.0.0.1",
+        master_port=29999,
+        rank_offset=1,
+        world_size=3,
+        backend=upb.GROUP_BACKEND_GLOO,
+    )
+    with grpc.insecure_channel(pair.head.grpc_target) as channel:
+        with pytest.raises(grpc.RpcError) as raw:
+            upb_grpc.WeightUpdateServiceStub(channel).InitWeightsUpdateGroup(request, timeout=60)
+    error = from_rpc_error(raw.value)
+    assert (error.code, error.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "MASTER_ADDRESS_LOOPBACK"), error
     assert health(pair.head.grpc_target) == SERVING
 
 

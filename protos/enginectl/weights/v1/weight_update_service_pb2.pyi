@@ -2209,6 +2209,7 @@ class RankInfo(_message.Message):
     ENGINECTL_VERSION_FIELD_NUMBER: _builtins.int
     NUM_WORKERS_FIELD_NUMBER: _builtins.int
     ENGINECTL_SCHEDULER_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
     dp_rank: _builtins.int
     """Data-parallel rank, from 0."""
     host: _builtins.str
@@ -2223,6 +2224,12 @@ class RankInfo(_message.Message):
     """Workers of the rank (tensor x pipeline parallel), each with enginectl's extension."""
     enginectl_scheduler: _builtins.bool
     """True when enginectl's scheduler runs on it (forward-pass metrics, worker identity)."""
+    host_id: _builtins.str
+    """An opaque id of the host (and boot) it runs on: equal for two processes of one boot of
+    one host, and only then. A trainer compares it with its own (the client's
+    common/host.py `HostIdentity.host_id`) to tell which ranks run elsewhere, e.g. before it
+    offers a loopback master_address to a broadcast group (docs/multinode.md).
+    """
     def __init__(
         self,
         *,
@@ -2232,10 +2239,11 @@ class RankInfo(_message.Message):
         enginectl_version: _builtins.str = ...,
         num_workers: _builtins.int = ...,
         enginectl_scheduler: _builtins.bool = ...,
+        host_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "enginectl_scheduler", b"enginectl_scheduler", "enginectl_version", b"enginectl_version", "host", b"host", "local", b"local", "num_workers", b"num_workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "enginectl_scheduler", b"enginectl_scheduler", "enginectl_version", b"enginectl_version", "host", b"host", "host_id", b"host_id", "local", b"local", "num_workers", b"num_workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
