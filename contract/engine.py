@@ -118,7 +118,7 @@ class WorkerRpc(str, enum.Enum):
     CENSUS = "enginectl_census"
     # Before an update writes anything: every worker opens every file the update will read and
     # compares its safetensors header with the one the server planned from (worker/weights/
-    # prepare.py); answers a Prepared. Header reads only: milliseconds.
+    # prepare.py); answers a Prepared (contract/prepare.py). Header reads only: milliseconds.
     PREPARE = "enginectl_prepare"
 
 
@@ -359,60 +359,6 @@ class LoadCheck(msgspec.Struct, frozen=True):
     mismatch: str = ""
     # Kernels rebuilt from a weight the load wrote through another layer (a tied LM head).
     rebuilt: tuple[str, ...] = ()
-
-
-# --- prepare before write (WorkerRpc.PREPARE) ------------------------------------------------
-
-
-class PlannedTensor(msgspec.Struct, frozen=True, array_like=True):
-    """One tensor of a safetensors header as the server read it: name, dtype name
-    (common/dtypes.py), shape, and where its bytes lie in the data after the header."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-class PlannedFile(msgspec.Struct, frozen=True, array_like=True):
-    """One file a disk update will read, and every tensor its header held when the server
-    planned the update, in the order of their bytes."""
-
-    path: str
-    tensors: tuple[PlannedTensor, ...]
-
-
-class PreparePlan(msgspec.Struct, frozen=True):
-    """What every worker checks before an update writes anything (DESIGN §13, "Prepare
-    before write"): each file opens here and its header is the planned one."""
-
-    files: tuple[PlannedFile, ...]
-
-
-class PrepareProblem(str, enum.Enum):
-    """Why a worker can not read what an update planned (Prepared.problem; the refusal's
-    `problem` metadata carries the value)."""
-
-    MISSING = "missing"  # no such file on this worker's host
-    NOT_REGULAR = "not_regular"  # a FIFO, socket, device or directory
-    UNREADABLE = "unreadable"  # permissions, an I/O error
-    NOT_SAFETENSORS = "not_safetensors"  # a header that is short, truncated or malformed
-    HEADER_DIFFERS = "header_differs"  # another tensor, dtype, shape or offset than planned
-    TRUNCATED = "truncated"  # a tensor's bytes end past the end of the file
-
-
-class Prepared(msgspec.Struct, frozen=True):
-    """A worker's answer to PREPARE: `problem` None when it can read every planned file,
-    else the first file it can not read (`path`) and why (`message`)."""
-
-    dp_rank: int
-    worker_rank: int
-    hostname: str
-    seconds: float
-    problem: PrepareProblem | None = None
-    path: str = ""
-    message: str = ""
 
 
 # --- staging (WorkerRpc.STAGE, STAGE_RESULT, DISCARD_STAGED) -------------------------------

@@ -39,8 +39,6 @@ from enginectl.contract.engine import (
     LoadPlan,
     LoadResult,
     PauseReason,
-    Prepared,
-    PreparePlan,
     RankFailure,
     RankGenerationState,
     RankIdentity,
@@ -57,6 +55,7 @@ from enginectl.contract.engine import (
     wire,
 )
 from enginectl.contract.engine_config import EngineConfig
+from enginectl.contract.prepare import Prepared, PreparePlan
 from enginectl.server.control_loop import run_on
 from enginectl.server.engine_processes import reap_children
 from enginectl.server.errors import ControlPlaneError

@@ -20,8 +20,6 @@ from enginectl.contract.engine import (
     LoadPlan,
     LoadResult,
     PauseReason,
-    Prepared,
-    PreparePlan,
     RankGenerationState,
     StageAck,
     StageResult,
@@ -29,6 +27,7 @@ from enginectl.contract.engine import (
     TransferStep,
     WorkerDigest,
 )
+from enginectl.contract.prepare import Prepared, PreparePlan
 from enginectl.server.engine import EngineInfo
 from enginectl.server.worker_calls import RankOutcome
 

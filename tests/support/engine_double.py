@@ -26,13 +26,12 @@ from enginectl.contract.engine import (
     LoadPlan,
     LoadResult,
     PauseReason,
-    Prepared,
-    PreparePlan,
     RankGenerationState,
     TransferAnswer,
     TransferStep,
     WorkerDigest,
 )
+from enginectl.contract.prepare import Prepared, PreparePlan
 from enginectl.server.engine import EngineInfo
 from enginectl.server.worker_calls import RankOutcome
 from enginectl.worker.weights.prepare import prepare

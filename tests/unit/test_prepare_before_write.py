@@ -20,7 +20,7 @@ import pytest
 from support.engine_double import EngineDouble
 
 from enginectl.common.vocabulary import Reason
-from enginectl.contract.engine import PlannedFile, PreparePlan, PrepareProblem
+from enginectl.contract.prepare import PlannedFile, PreparePlan, PrepareProblem
 from enginectl.server.errors import ControlPlaneError
 from enginectl.server.weights.sources.disk import read_planned
 from enginectl.server.weights.sources.groups import check_master_reachable, is_loopback

@@ -39,8 +39,9 @@ import enginectl
 from enginectl.common import dtypes
 from enginectl.common.host import host_identity
 from enginectl.contract.census import WorkerCensus
-from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, PreparePlan, WorkerRpc, read, wire
+from enginectl.contract.engine import Cause, LoadError, LoadPlan, LoadResult, WorkerRpc, read, wire
 from enginectl.contract.engine_config import EngineConfig
+from enginectl.contract.prepare import PreparePlan
 from enginectl.worker.attach import attach
 from enginectl.worker.weights.channel import Abort, Channel
 from enginectl.worker.weights.checks import CheckMixin

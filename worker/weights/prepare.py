@@ -21,7 +21,7 @@ import time
 
 from enginectl.common.host import host_identity
 from enginectl.common.safetensors_header import HeaderEntry, HeaderError, parse_header
-from enginectl.contract.engine import PlannedFile, PlannedTensor, Prepared, PreparePlan, PrepareProblem
+from enginectl.contract.prepare import PlannedFile, PlannedTensor, Prepared, PreparePlan, PrepareProblem
 
 # The longest header read (as the server's MAX_HEADER_BYTES, server/limits.py): a length past
 # it is no header the server could have planned from.

@@ -20,7 +20,7 @@ from typing import BinaryIO
 import grpc
 
 from enginectl.common.safetensors_header import HeaderError, parse_header
-from enginectl.contract.engine import PlannedFile, PlannedTensor
+from enginectl.contract.prepare import PlannedFile, PlannedTensor
 from enginectl.server.errors import ControlPlaneError, FieldViolation, Reason, invalid_field
 from enginectl.server.limits import MAX_HEADER_BYTES, MAX_INDEX_BYTES, MAX_PATH_BYTES, MAX_SHAPE_RANK
 from enginectl.server.weights.update.plans import TensorInfo

@@ -21,7 +21,7 @@ from typing import Protocol
 import grpc
 import structlog
 
-from enginectl.contract.engine import Prepared, PreparePlan
+from enginectl.contract.prepare import Prepared, PreparePlan
 from enginectl.server.errors import ControlPlaneError, Reason
 from enginectl.server.weights.update.plans import UpdatePlan
 

@@ -25,7 +25,8 @@ from typing import Any, Protocol
 
 from enginectl.common import dtypes
 from enginectl.common.vocabulary import WeightSource
-from enginectl.contract.engine import Cause, IpcHandle, LoadResult, PlannedFile, TensorSpec
+from enginectl.contract.engine import Cause, IpcHandle, LoadResult, TensorSpec
+from enginectl.contract.prepare import PlannedFile
 from enginectl.server.weights.update.operations import UpdateOperation
 
 
