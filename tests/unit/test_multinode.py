@@ -10,6 +10,7 @@ namespaces in tests/e2e/multinode/.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -175,11 +176,14 @@ async def test_a_rank_that_holds_another_config_or_does_not_answer_is_named() ->
 
 # -- RankWatch ------------------------------------------------------------------------------
 class Clock:
+    """The watch's clock: this process's monotonic clock (which the relay stamps arrivals
+    with) plus `ahead` seconds, so the test moves time forward without waiting for it."""
+
     def __init__(self) -> None:
-        self.now = 1000.0
+        self.ahead = 0.0
 
     def __call__(self) -> float:
-        return self.now
+        return time.monotonic() + self.ahead
 
 
 def heartbeat(dp_rank: int) -> bytes:
@@ -189,18 +193,18 @@ def heartbeat(dp_rank: int) -> bytes:
     return KEY + sample.SerializeToString()
 
 
-def test_a_remote_rank_is_dead_once_silent_past_the_bound_and_only_then(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_remote_rank_is_dead_once_silent_past_the_bound_and_only_then() -> None:
     relay = FpmRelay(incarnation="x", key=KEY)
     clock = Clock()
-    monkeypatch.setattr("enginectl.server.fpm.relay.time.monotonic", clock)
+    clock.ahead = -9.0  # the watch starts 9 s before now
     watch = RankWatch(relay, {1: "node-b"}, bound_s=10.0, lost=lambda cause: None, clock=clock)
-    clock.now += 9.0
-    assert watch.silent() is None  # not yet: the bound counts from the start of the watch
-    relay.prepare([heartbeat(1)])
-    clock.now += 9.0
-    assert watch.silent() is None  # it spoke 9 s ago
+    clock.ahead = 0.0
+    assert watch.silent() is None  # 9 s without a word: not yet, the bound counts from the watch's start
+    relay.prepare([heartbeat(1)])  # rank 1 speaks now
+    clock.ahead = 9.0
+    assert watch.silent() is None  # it spoke 9 s ago (18 s after the watch's start)
     relay.prepare([b"not keyed" + heartbeat(1)[len(KEY) :]])  # a stranger speaking for rank 1
     relay.prepare([heartbeat(0)])  # rank 0 is local: not watched here
-    clock.now += 1.5
+    clock.ahead = 10.5
     found = watch.silent()
-    assert found is not None and found[:2] == (1, "node-b") and found[2] == pytest.approx(10.5)
+    assert found is not None and found[:2] == (1, "node-b") and found[2] == pytest.approx(10.5, abs=0.5)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -134,12 +136,43 @@ def test_a_truncated_header_or_data(tmp_path: Path, planned: PlannedFile) -> Non
     assert "'head.bias' ends at byte 46" in message
 
 
-def test_an_unreadable_file(tmp_path: Path, planned: PlannedFile) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root reads every file")
-    locked = write_safetensors(tmp_path / "locked.safetensors", LAYOUT)
-    locked.chmod(0)
-    assert check(locked, planned)[0] is PrepareProblem.UNREADABLE
+NOBODY = 65534  # an unprivileged uid and gid
+
+
+def check_unprivileged(path: Path, planned: PlannedFile) -> str:
+    """The problem's name a worker answers for `path` when it runs as an unprivileged user.
+    Root reads a file of mode 0 all the same, so under root (CI here) the check runs in a
+    forked child that dropped to NOBODY first: a real permission refusal by the kernel."""
+    if os.geteuid() != 0:
+        problem = check(path, planned)[0]
+        return problem.name if problem else "none"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only the check, then _exit (no pytest, no atexit)
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            problem = check(path, planned)[0]
+            os.write(write, (problem.name if problem else "none").encode())
+        except BaseException as exc:  # reported to the parent
+            os.write(write, f"child failed: {exc!r}".encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        said = answer.read().decode()
+    os.waitpid(pid, 0)
+    return said
+
+
+def test_an_unreadable_file(planned: PlannedFile) -> None:
+    folder = Path(tempfile.mkdtemp())  # under /tmp, which every user may cross (tmp_path's parents may not)
+    try:
+        folder.chmod(0o755)
+        locked = write_safetensors(folder / "locked.safetensors", LAYOUT)
+        locked.chmod(0)
+        assert check_unprivileged(locked, planned) == PrepareProblem.UNREADABLE.name
+    finally:
+        shutil.rmtree(folder)
 
 
 # --- the server's refusal ------------------------------------------------------------------
