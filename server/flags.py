@@ -11,10 +11,7 @@ files, logging, and a free gRPC port. Pure configuration, no state.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
-import os
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +22,7 @@ import structlog
 from enginectl.common.gateway import advertise_host
 from enginectl.contract.engine import GLOO_TRANSFER_BACKEND
 from enginectl.contract.engine_config import LOAD_CHECKS
+from enginectl.server.access import TOKEN_ENV, security
 from enginectl.server.config import (
     FpmRelayConfig,
     GatewayConfig,
@@ -33,7 +31,6 @@ from enginectl.server.config import (
     MultinodeConfig,
     RolloutConfig,
     ServeConfig,
-    TlsConfig,
     UpdateConfig,
 )
 from enginectl.server.errors import ControlPlaneError
@@ -48,7 +45,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("enginectl.fpm")  # the one warning here is about the FPM publisher
 
 DEFAULT_GRPC_PORT = 50051
-TOKEN_ENV = "ENGINECTL_TOKEN"
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_LIVENESS_TIMEOUT_S = 10.0
 WORKER_EXTENSION = "enginectl.worker.weights.extension.EnginectlWorkerExtension"
@@ -475,60 +471,3 @@ def configure_logging(json_lines: bool) -> None:
         logger_factory=structlog.WriteLoggerFactory(sys.stdout),
         cache_logger_on_first_use=True,
     )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def load_token(args: argparse.Namespace) -> str | None:
-    if args.token_file is not None:
-        token = args.token_file.read_text().strip()
-        if not token:
-            raise SystemExit(f"enginectl serve: {args.token_file} is empty")
-        return token
-    return os.environ.get(TOKEN_ENV) or None
-
-
-def load_tls(args: argparse.Namespace) -> TlsConfig | None:
-    if args.tls_cert is None and args.tls_key is None:
-        if args.tls_client_ca is not None:
-            raise SystemExit("enginectl serve: --tls-client-ca needs --tls-cert and --tls-key")
-        return None
-    if args.tls_cert is None or args.tls_key is None:
-        raise SystemExit("enginectl serve: --tls-cert and --tls-key go together")
-    return TlsConfig(
-        cert_chain=args.tls_cert.read_bytes(),
-        private_key=args.tls_key.read_bytes(),
-        client_ca=args.tls_client_ca.read_bytes() if args.tls_client_ca else None,
-    )
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Fail before the engine's long start if the gRPC port is already taken."""
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise SystemExit(f"enginectl serve: gRPC port {host}:{port} is not available: {exc}") from None
-
-
-def security(args: argparse.Namespace) -> tuple[str | None, TlsConfig | None]:
-    """The bearer token and TLS config the flags ask for. Refuses to expose gRPC beyond
-    loopback with neither, unless --insecure."""
-    token, tls = load_token(args), load_tls(args)
-    if not _is_loopback(args.grpc_host) and token is None and tls is None and not args.insecure:
-        raise SystemExit(
-            f"enginectl serve: refusing to serve gRPC on non-loopback {args.grpc_host} with neither "
-            f"a token (--token-file / ${TOKEN_ENV}) nor TLS (--tls-cert); pass --insecure to override"
-        )
-    return token, tls

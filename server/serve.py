@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import structlog
 
+from enginectl.server.access import check_port_free
 from enginectl.server.config import ServeConfig
 from enginectl.server.cpu_binding import threads_bind_default
 from enginectl.server.flags import (
-    check_port_free,
     configure_engine_args,
     configure_logging,
     parse_args,
