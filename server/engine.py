@@ -39,7 +39,6 @@ from enginectl.contract.engine import (
     LoadPlan,
     LoadResult,
     PauseReason,
-    RankFailure,
     RankGenerationState,
     RankIdentity,
     StageAck,
@@ -57,6 +56,7 @@ from enginectl.contract.engine import (
 from enginectl.contract.engine_config import EngineConfig
 from enginectl.contract.prepare import Prepared, PreparePlan
 from enginectl.server.control_loop import run_on
+from enginectl.server.engine_cores import call_each_core
 from enginectl.server.engine_processes import reap_children
 from enginectl.server.errors import ControlPlaneError
 from enginectl.server.worker_calls import RankOutcome, WorkerCalls, engine_dead
@@ -279,7 +279,7 @@ class EngineAdapter:
             raise engine_dead("the engine has died")
 
         async def call() -> list[RankOutcome[Any]]:  # on the engine's loop
-            outcomes = await _call_each(self._llm.engine_core, method, args, timeout)
+            outcomes = await call_each_core(self._llm.engine_core, method, args, timeout)
             if arrived is not None:
                 arrived(outcomes)
             return outcomes
@@ -478,31 +478,6 @@ class EngineAdapter:
             asyncio.run_coroutine_threadsafe(cancel(), self._loop).result(timeout)
         except (RuntimeError, concurrent.futures.TimeoutError):  # loop closed or busy: stop anyway
             pass
-
-
-async def _call_each(core: Any, method: str, args: tuple[Any, ...], timeout: float) -> list[RankOutcome[Any]]:
-    """Runs on the engine's loop: one utility call per EngineCore, all started at once."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    ranks = [int.from_bytes(engine, "little") for engine in core.core_engines]
-    calls = [
-        asyncio.ensure_future(core._call_utility_async(method, *args, engine=engine)) for engine in core.core_engines
-    ]
-    await asyncio.wait(calls, timeout=max(timeout, 0.0))
-    outcomes: list[RankOutcome[Any]] = []
-    for rank, call in zip(ranks, calls, strict=True):
-        if not call.done():
-            call.cancel()
-            outcomes.append(
-                RankOutcome(rank, failure=RankFailure.RANK_TIMEOUT, message=f"no answer within {timeout:.3f}s")
-            )
-        elif isinstance(call.exception(), EngineDeadError):
-            outcomes.append(RankOutcome(rank, failure=RankFailure.ENGINE_DEAD, message=str(call.exception())))
-        elif call.exception() is not None:
-            outcomes.append(RankOutcome(rank, failure=RankFailure.RANK_ERROR, message=str(call.exception())))
-        else:
-            outcomes.append(RankOutcome(rank, result=call.result()))
-    return outcomes
 
 
 def _exited(process: Any) -> str:
