@@ -65,3 +65,9 @@ def is_loopback(address: str) -> bool:
     except (OSError, UnicodeError):
         return False
     return bool(resolved) and all(ipaddress.ip_address(str(a).split("%", 1)[0]).is_loopback for a in resolved)
+
+
+def any_port(address: str) -> str:
+    """The ZMQ TCP endpoint on a free port of `address` (an IPv6 one in brackets)."""
+    host = f"[{address}]" if ":" in address and not address.startswith("[") else address
+    return f"tcp://{host}:0"

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import structlog
 import zmq
 
+from enginectl.common.host import any_port
 from enginectl.contract.fpm import SUBSCRIBE_ALL, key_file
 from enginectl.server.fpm.relay import DEFAULT_QUEUE_LIMIT, DEFAULT_RING_SIZE, FpmRelay
 from enginectl.server.fpm.samples import Relayed
@@ -131,7 +132,7 @@ class FpmRelayHost:
         if tcp_address is not None:
             self._socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            self._socket.bind(f"tcp://{_bracketed(tcp_address)}:0")
+            self._socket.bind(any_port(tcp_address))
             self.tcp_endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.relay: FpmRelay | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -251,8 +252,3 @@ class FpmRelayHost:
         self._socket.close(linger=0)
         self._context.term()
         self._dir.cleanup()
-
-
-def _bracketed(address: str) -> str:
-    """An IPv6 address in brackets, as a ZMQ TCP endpoint needs it."""
-    return f"[{address}]" if ":" in address and not address.startswith("[") else address

@@ -154,7 +154,7 @@ def check_unprivileged(path: Path, planned: PlannedFile) -> str:
             os.setuid(NOBODY)
             problem = check(path, planned)[0]
             os.write(write, (problem.name if problem else "none").encode())
-        except BaseException as exc:  # reported to the parent
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
             os.write(write, f"child failed: {exc!r}".encode())
         os._exit(0)
     os.close(write)

@@ -25,6 +25,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from enginectl.common.host import any_port
 from enginectl.contract import frames
 from enginectl.contract.engine import Cause, WorkerLayout
 
@@ -69,7 +70,7 @@ class UpdateChannels:
         self.key = settings.key
         self._dropped = dropped if dropped is not None else DroppedFrames()
         remote = settings.remote_ranks if settings.tcp_address is not None else frozenset()
-        tcp = f"tcp://{_bracketed(settings.tcp_address)}:0" if settings.tcp_address is not None else ""
+        tcp = any_port(settings.tcp_address) if settings.tcp_address is not None else ""
         self.data: list[zmq.asyncio.Socket] = []
         endpoints = []
         for rank in range(layout.ranks):
@@ -139,8 +140,3 @@ def _bind(sock: zmq.asyncio.Socket, endpoint: str) -> str:
     """Bind `sock` to `endpoint` (a TCP one on port 0: a free port) and answer where it listens."""
     sock.bind(endpoint)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT) if endpoint.startswith("tcp://") else endpoint
-
-
-def _bracketed(address: str) -> str:
-    """An IPv6 address in brackets, as a ZMQ TCP endpoint needs it."""
-    return f"[{address}]" if ":" in address and not address.startswith("[") else address
