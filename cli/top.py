@@ -20,6 +20,7 @@ from enginectl.cli.output import Output, cell, human_seconds, table
 from enginectl.client.client import ChannelConfig
 from enginectl.client.errors import EnginectlError
 from enginectl.client.planner import Planner
+from enginectl.client.rank_ranges import ExpectedRanks, engine_coverage
 from enginectl.client.trainer import AsyncTrainerClient
 from enginectl.client.trainer_types import ServerInfo
 from enginectl.client.types import WeightVersion
@@ -33,6 +34,7 @@ class TopEndpoint:
     connected: bool
     incarnation: str
     data_parallel_size: int | None
+    managed_ranks: tuple[int, ...] | None  # the DP ranks it manages (its node's, under hybrid LB)
     weight_version: str | None
     weight_revision: int | None
     samples: int
@@ -99,7 +101,7 @@ def _covered(planner: Planner, targets: dict[str, _Target]) -> bool:
     for name, target in targets.items():
         if target.info is None:
             continue  # unreachable so far: nothing to wait for
-        if not all((name, rank) in seen for rank in range(target.info.data_parallel_size)):
+        if not all((name, rank) in seen for rank in target.info.managed_ranks):
             return False
     return True
 
@@ -108,7 +110,7 @@ def build_frame(planner: Planner, targets: dict[str, _Target], interval: float, 
     """The frame for the planner's state now (call on the planner's loop)."""
     rows: dict[tuple[str, int], TopRank] = {}
     for name, target in targets.items():
-        for rank in range(target.info.data_parallel_size if target.info else 0):
+        for rank in target.info.managed_ranks if target.info else ():
             rows[(name, rank)] = TopRank(name, rank)
     for r in planner.fleet.latest():
         s = r.sample
@@ -139,6 +141,7 @@ def build_frame(planner: Planner, targets: dict[str, _Target], interval: float, 
                 status.connected,
                 status.incarnation,
                 target.info.data_parallel_size if target.info else None,
+                tuple(target.info.managed_ranks) if target.info else None,
                 (version.version if version.declared else "<undeclared>") if version else None,
                 version.revision if version else None,
                 status.samples,
@@ -149,11 +152,27 @@ def build_frame(planner: Planner, targets: dict[str, _Target], interval: float, 
         )
     verdict = detail = None
     if expect:
-        sizes = [t.info.data_parallel_size for t in targets.values() if t.info]
-        judged = planner.reconcile(expect, max(sizes, default=1))
+        judged = planner.reconcile(_expected(planner, targets, expect))
         verdict, detail = judged.verdict.value, judged.detail
     ordered = tuple(rows[key] for key in sorted(rows))
     return TopFrame(datetime.now(timezone.utc), interval, tuple(endpoints), ordered, verdict, detail)
+
+
+def _expected(planner: Planner, targets: dict[str, _Target], expect: Sequence[str]) -> ExpectedRanks:
+    """What `--expect` means: each worker id's ranks are those its targets manage (a target
+    is its worker id's when its samples carry it); an id no target's samples carry yet is
+    expected on every rank. The targets' managed ranks must tile each engine's ranks."""
+    infos = {name: t.info for name, t in targets.items() if t.info is not None}
+    carriers: dict[str, set[str]] = {}
+    for r in planner.fleet.latest():
+        carriers.setdefault(r.worker_id, set()).add(r.endpoint)
+    size = max((i.data_parallel_size for i in infos.values()), default=1)
+    by_worker = {
+        w: tuple(sorted({rank for t in carriers.get(w, ()) if t in infos for rank in infos[t].managed_ranks}))
+        or tuple(range(size))
+        for w in expect
+    }
+    return ExpectedRanks(by_worker, tuple(engine_coverage(infos)))
 
 
 def render_top(frame: TopFrame) -> str:
@@ -168,10 +187,7 @@ def render_top(frame: TopFrame) -> str:
 
     targets = table(
         ("ENDPOINT", "STATE", "WEIGHT VERSION", "DP", "SAMPLES", "MISSED", "RECONNECTS"),
-        [
-            (e.target, state(e), version(e), e.data_parallel_size, e.samples, e.missed, e.reconnects)
-            for e in frame.endpoints
-        ],
+        [(e.target, state(e), version(e), _dp(e), e.samples, e.missed, e.reconnects) for e in frame.endpoints],
     )
 
     def generation(r: TopRank) -> str | None:
@@ -251,3 +267,10 @@ async def run_top(
                 await refresh()
     finally:
         await asyncio.gather(*(t.client.close() for t in targets.values()), return_exceptions=True)
+
+
+def _dp(e: TopEndpoint) -> str | int | None:
+    """The DP size, with the ranks the target manages when they are not all of them."""
+    if e.managed_ranks is None or e.data_parallel_size is None or len(e.managed_ranks) == e.data_parallel_size:
+        return e.data_parallel_size
+    return f"{e.managed_ranks[0]}-{e.managed_ranks[-1]} of {e.data_parallel_size}"

@@ -199,6 +199,8 @@ def _(info: ServerInfo) -> str:
             ("Served model names", info.served_model_names),
             ("Dtype", info.dtype),
             ("Data parallel", info.data_parallel_size),
+            ("Managed ranks", _range(info.managed_ranks)),
+            ("Engine", info.engine_id),
             ("Tensor parallel", info.tensor_parallel_size),
             ("Workers", info.num_workers),
             ("Update backends", ", ".join(info.backends)),
@@ -217,6 +219,10 @@ def _(info: ServerInfo) -> str:
         for r in info.ranks
     ]
     return _blocks(about, table(("RANK", "HOST", "LOCAL", "WORKERS", "ENGINECTL"), rows))
+
+
+def _range(ranks: range) -> str:
+    return f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start) if ranks else "-"
 
 
 def _generation(state: GenerationState, extra: Sequence[tuple[str, object]] = ()) -> str:

@@ -19,6 +19,7 @@ from enginectl.client.client import ChannelOptions
 from enginectl.client.errors import EnginectlError
 from enginectl.client.fleet_types import FleetError, FleetStage, FleetStageError, ServerOutcome, stage_outcome
 from enginectl.client.progress import FleetProgress
+from enginectl.client.rank_ranges import group_windows
 from enginectl.client.trainer import AsyncTrainerClient
 from enginectl.client.trainer_operations import POLL_S
 from enginectl.client.trainer_types import ServerInfo, UpdateOperation
@@ -71,11 +72,10 @@ class FleetServers:
         ranks of a group that spans the trainer and every server's workers (from `infos`, else
         read now)."""
         infos = infos if infos is not None else await self.infos()
-        offsets, before = {}, 0
-        for target in self.targets:
-            offsets[target] = before
-            before += infos[target].num_workers
-        return offsets, before
+        # Each server's managed workers only: under hybrid load balancing a server holds its
+        # node's ranks (client/rank_ranges.py; docs/multinode.md, "One server per node").
+        windows, total = group_windows({t: infos[t].num_workers for t in self.targets}, first=0)
+        return {t: w.start for t, w in windows.items()}, total
 
     async def stage_results(
         self, started: dict[str, UpdateOperation | EnginectlError], progress: bool = False

@@ -28,7 +28,7 @@ import enum
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -44,6 +44,7 @@ from enginectl.client.fpm import (
     stream_forward_pass_metrics,
     stream_request,
 )
+from enginectl.client.rank_ranges import ExpectedRanks
 
 DEFAULT_STALE_AFTER_S = 5.0
 DEFAULT_BACKOFF_INITIAL_S = 0.1
@@ -59,6 +60,8 @@ class Verdict(str, enum.Enum):
     WORKER_COUNT_MISMATCH = "WORKER_COUNT_MISMATCH"  # distinct expected ids seen != expected
     INCONSISTENT_DP_RANKS = "INCONSISTENT_DP_RANKS"  # workers report different rank counts
     INCOMPLETE_COVERAGE = "INCOMPLETE_COVERAGE"  # (worker, rank) pairs != workers x dp_size
+    # The servers of an engine do not tile its ranks (a gap, an overlap): ExpectedRanks.problems.
+    RANK_RANGES_INVALID = "RANK_RANGES_INVALID"
 
 
 @dataclass(frozen=True)
@@ -156,10 +159,20 @@ class FleetView:
         return dict(self._counts.get(endpoint, {}))
 
     def reconcile(
-        self, expected_workers: Iterable[str], dp_size: int, *, stale_after: float = DEFAULT_STALE_AFTER_S
+        self,
+        expected_workers: Iterable[str] | Mapping[str, Collection[int]] | ExpectedRanks,
+        dp_size: int | None = None,
+        *,
+        stale_after: float = DEFAULT_STALE_AFTER_S,
     ) -> Reconciliation:
-        """Judge whether the fleet's FPM data covers `expected_workers` x `dp_size` ranks."""
-        expected = set(expected_workers)
+        """Judge whether the fleet's FPM data covers what is expected: `expected_workers` x
+        ranks 0..`dp_size`-1, or per worker id its own ranks (a mapping, or the ExpectedRanks
+        that client/rank_ranges.py `expected_ranks` reads off the servers' managed ranks, for
+        servers that each manage some ranks of one engine: docs/multinode.md)."""
+        if isinstance(expected_workers, ExpectedRanks) and expected_workers.problems:
+            return Reconciliation(Verdict.RANK_RANGES_INVALID, expected_workers.problems, {}, (), {}, ())
+        per_worker = _per_worker(expected_workers, dp_size)
+        expected = set(per_worker)
         ranks = self.latest()
         known = [r for r in ranks if r.worker_id in expected]
         unattributed = {
@@ -191,14 +204,29 @@ class FleetView:
                 f"{len(seen)} of {len(expected)} expected workers publish; missing {missing}"
                 + _unattributed_note(unattributed),
             )
-        if len({len(rs) for rs in seen.values()}) > 1:
+        if dp_size is not None and len({len(rs) for rs in seen.values()}) > 1:
             counts = {w: len(rs) for w, rs in seen.items()}
             return verdict(Verdict.INCONSISTENT_DP_RANKS, f"dp ranks per worker differ: {counts}")
-        full = tuple(range(dp_size))
-        partial = {w: rs for w, rs in seen.items() if rs != full}
+        partial = {w: rs for w, rs in seen.items() if rs != per_worker[w]}
         if partial:
-            return verdict(Verdict.INCOMPLETE_COVERAGE, f"expected ranks {list(full)} of every worker; got {partial}")
-        return verdict(Verdict.OK, f"{len(seen)} workers x {dp_size} ranks, all fresh")
+            want = {w: list(per_worker[w]) for w in partial}
+            return verdict(Verdict.INCOMPLETE_COVERAGE, f"expected ranks {want}; got {partial}")
+        if dp_size is not None:
+            return verdict(Verdict.OK, f"{len(seen)} workers x {dp_size} ranks, all fresh")
+        return verdict(Verdict.OK, f"{len(seen)} workers, {sum(map(len, seen.values()))} ranks, all fresh")
+
+
+def _per_worker(
+    expected: Iterable[str] | Mapping[str, Collection[int]] | ExpectedRanks, dp_size: int | None
+) -> dict[str, tuple[int, ...]]:
+    """Worker id -> the ranks expected of it, sorted."""
+    if isinstance(expected, ExpectedRanks):
+        return dict(expected.by_worker)
+    if isinstance(expected, Mapping):
+        return {w: tuple(sorted(rs)) for w, rs in expected.items()}
+    if dp_size is None:
+        raise TypeError("reconcile(worker ids, dp_size): dp_size is needed with a set of worker ids")
+    return {w: tuple(range(dp_size)) for w in expected}
 
 
 def _unattributed_note(unattributed: dict[str, int]) -> str:
@@ -273,7 +301,11 @@ class Planner:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def reconcile(self, expected_workers: Iterable[str], dp_size: int) -> Reconciliation:
+    def reconcile(
+        self,
+        expected_workers: Iterable[str] | Mapping[str, Collection[int]] | ExpectedRanks,
+        dp_size: int | None = None,
+    ) -> Reconciliation:
         """See FleetView.reconcile (with this planner's staleness window)."""
         return self.fleet.reconcile(expected_workers, dp_size, stale_after=self.stale_after)
 
@@ -401,10 +433,15 @@ class PlannerThread:
 
         self.planner = self._loop.call(make)
 
-    def reconcile(self, expected_workers: Iterable[str], dp_size: int) -> Reconciliation:
+    def reconcile(
+        self,
+        expected_workers: Iterable[str] | Mapping[str, Collection[int]] | ExpectedRanks,
+        dp_size: int | None = None,
+    ) -> Reconciliation:
         """See Planner.reconcile (computed on the planner's loop, so it sees a consistent view)."""
         loop, planner = self._started()
-        return loop.call(planner.reconcile, list(expected_workers), dp_size)
+        frozen = expected_workers if isinstance(expected_workers, (Mapping, ExpectedRanks)) else list(expected_workers)
+        return loop.call(planner.reconcile, frozen, dp_size)
 
     def wait_for(self, predicate: Callable[[Planner], bool], timeout: float) -> bool:
         """See Planner.wait_for (`predicate` runs on the planner's loop)."""

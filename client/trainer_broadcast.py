@@ -34,7 +34,7 @@ from enginectl.client.trainer_types import (
     WeightsUpdateGroup,
 )
 from enginectl.common.buckets import cut
-from enginectl.common.host import host_identity, is_loopback
+from enginectl.common.host import host_identity, is_loopback, route_to
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ class BroadcastUpdates:
         when `master_address` is a loopback address and a rank of the server runs on another
         host than this process (its workers would dial their own loopback)."""
         info = await self._client.get_server_info()
-        await refuse_loopback_master(master_address, {"": info})
+        await refuse_loopback_master(master_address, {self._connection.config.target: info})
         if world_size is None:
             world_size = rank_offset + info.num_workers
         group = await asyncio.to_thread(
@@ -336,11 +336,14 @@ async def refuse_loopback_master(master_address: str, servers: Mapping[str, Serv
     ]
     if not elsewhere or not await asyncio.to_thread(is_loopback, master_address):
         return
+    remote = [t for t, info in servers.items() if t and any(r.host_id and r.host_id != here for r in info.ranks)]
+    routes = [a for a in await asyncio.gather(*(asyncio.to_thread(route_to, t) for t in remote)) if a]
+    hint = f"master_address={routes[0]!r} (this host's address toward {remote[0]!r}) or " if routes else ""
     raise FailedPreconditionError(
         grpc.StatusCode.FAILED_PRECONDITION,
         f"master_address {master_address!r} is a loopback address, which ranks on other hosts "
-        f"({', '.join(elsewhere)}) can not reach this trainer at; pass master_address=an address of this "
-        "host every node reaches",
+        f"({', '.join(elsewhere)}) can not reach this trainer at; pass {hint}an address of this host "
+        "every node reaches",
         Reason.MASTER_ADDRESS_LOOPBACK,
-        {"master_address": master_address},
+        {"master_address": master_address, **({"suggested_master_address": routes[0]} if routes else {})},
     )

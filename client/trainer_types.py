@@ -298,7 +298,11 @@ class ServerInfo:
     supported_rpcs: tuple[str, ...]
     max_staged_bytes: int = 0  # two-phase updates: the largest staged set (0: not offered)
     staged_ttl: float = 0.0  # seconds a staged set is kept
-    ranks: tuple[RankInfo, ...] = ()  # every DP rank: where it runs
+    ranks: tuple[RankInfo, ...] = ()  # every DP rank it manages: where it runs
+    # The DP ranks this server manages, by their engine-wide numbers: all `data_parallel_size`
+    # of them, or under hybrid load balancing its node's (docs/multinode.md, "One server per node").
+    managed_ranks: range = range(0)
+    engine_id: str = ""  # equal on every server of one engine ("" from an older server)
 
     @classmethod
     def from_proto(cls, msg: pb2.GetServerInfoResponse) -> ServerInfo:
@@ -324,6 +328,12 @@ class ServerInfo:
                 )
                 for r in msg.ranks
             ),
+            managed_ranks=(
+                range(msg.managed_ranks.start, msg.managed_ranks.start + msg.managed_ranks.count)
+                if msg.managed_ranks.count
+                else range(msg.data_parallel_size)  # a server before managed_ranks: every rank
+            ),
+            engine_id=msg.engine_id or msg.incarnation,
         )
 
 

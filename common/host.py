@@ -71,3 +71,36 @@ def any_port(address: str) -> str:
     """The ZMQ TCP endpoint on a free port of `address` (an IPv6 one in brackets)."""
     host = f"[{address}]" if ":" in address and not address.startswith("[") else address
     return f"tcp://{host}:0"
+
+
+def target_host(target: str) -> str:
+    """The host of a gRPC target ("host:port", "[v6]:port", "dns:///host:port", "ipv4:a:p")."""
+    rest = target
+    if "///" in rest:
+        rest = rest.split("///", 1)[1]
+    elif rest.startswith(("ipv4:", "ipv6:")):
+        rest = rest.split(":", 1)[1]
+    if rest.startswith("["):
+        return rest[1:].split("]", 1)[0]
+    return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
+
+
+def route_to(target: str) -> str | None:
+    """This host's address on the route to `target`'s host (a gRPC target), or None when it
+    is a loopback one or can not be found: what a trainer should offer as its broadcast
+    master address to that server's ranks. No packet is sent (a UDP socket's connect only
+    picks the route). Resolves names: call it off the control loop."""
+    host = target_host(target)
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.connect(address)
+                mine = str(probe.getsockname()[0])
+        except OSError:
+            continue
+        return None if is_loopback(mine) else mine
+    return None

@@ -289,16 +289,32 @@ class WorkerLayout(msgspec.Struct, frozen=True, array_like=True):
 
     ranks: int
     workers_per_rank: int = 1
+    # The first DP rank this server manages: 0, or under hybrid / external load balancing the
+    # node's `--data-parallel-start-rank` (docs/multinode.md, "One server per node").
+    first_rank: int = 0
 
     @property
     def workers(self) -> int:
         return self.ranks * self.workers_per_rank
 
+    @property
+    def dp_ranks(self) -> range:
+        """The DP ranks this server manages, by their engine-wide numbers."""
+        return range(self.first_rank, self.first_rank + self.ranks)
+
+    @property
+    def first_worker(self) -> int:
+        """The engine-wide index (worker/weights/ranks.py `global_rank`) of the first worker."""
+        return self.first_rank * self.workers_per_rank
+
     def index(self, dp_rank: int, worker_rank: int) -> int:
-        """The worker's index among all workers, rank by rank."""
-        if not (0 <= dp_rank < self.ranks and 0 <= worker_rank < self.workers_per_rank):
-            raise ValueError(f"no worker {worker_rank} of DP rank {dp_rank} in {self.ranks} x {self.workers_per_rank}")
-        return dp_rank * self.workers_per_rank + worker_rank
+        """The worker's index among this server's workers, rank by rank."""
+        if dp_rank not in self.dp_ranks or not 0 <= worker_rank < self.workers_per_rank:
+            raise ValueError(
+                f"no worker {worker_rank} of DP rank {dp_rank} in ranks {self.first_rank}.."
+                f"{self.first_rank + self.ranks - 1} x {self.workers_per_rank}"
+            )
+        return (dp_rank - self.first_rank) * self.workers_per_rank + worker_rank
 
 
 class LoadPlan(msgspec.Struct, frozen=True):
@@ -326,6 +342,9 @@ class LoadPlan(msgspec.Struct, frozen=True):
     key: bytes = b""
     # Where a worker whose data endpoint is a tcp:// one (a rank on another host) reports.
     progress_tcp_endpoint: str = ""
+    # WorkerLayout.first_worker: a worker's data endpoint is `data_endpoints[global index -
+    # first_worker]` (the server lists only the workers of the ranks it manages).
+    first_worker: int = 0
 
 
 class LoadError(msgspec.Struct, frozen=True, array_like=True):
@@ -397,7 +416,7 @@ class Backend(str, enum.Enum):
 
 
 class GroupSpec(msgspec.Struct, frozen=True):
-    """A private process group with the trainer (rank 0); this engine's workers take ranks
+    """A private process group with the trainer (rank 0); this server's workers take ranks
     rank_offset.. in worker order."""
 
     name: str
@@ -407,6 +426,8 @@ class GroupSpec(msgspec.Struct, frozen=True):
     world_size: int
     timeout: float  # seconds: the rendezvous and every collective
     backend: Backend
+    # WorkerLayout.first_worker: a worker's rank is rank_offset + its global index - this.
+    first_worker: int = 0
 
 
 class GroupJoined(msgspec.Struct, frozen=True):

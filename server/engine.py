@@ -20,7 +20,6 @@ import signal
 import threading
 from argparse import Namespace
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from multiprocessing import connection
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -48,7 +47,6 @@ from enginectl.contract.engine import (
     Utility,
     VllmUtility,
     WorkerDigest,
-    WorkerLayout,
     WorkerRpc,
     read,
     wire,
@@ -57,6 +55,7 @@ from enginectl.contract.engine_config import EngineConfig
 from enginectl.contract.prepare import Prepared, PreparePlan
 from enginectl.server.control_loop import run_on
 from enginectl.server.engine_cores import call_each_core
+from enginectl.server.engine_info import EngineInfo, managed_ranks, shared_engine_id
 from enginectl.server.engine_processes import reap_children
 from enginectl.server.errors import ControlPlaneError
 from enginectl.server.worker_calls import RankOutcome, WorkerCalls, engine_dead
@@ -66,29 +65,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("enginectl.engine")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the engine is, fixed at start (safe to read from any thread)."""
-
-    model: str
-    served_model_names: tuple[str, ...]
-    dtype: str  # torch dtype name without "torch.", e.g. "float32"
-    quantization: str
-    data_parallel_size: int
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    vllm_version: str
-
-    @property
-    def num_workers(self) -> int:
-        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
-
-    @property
-    def layout(self) -> WorkerLayout:
-        """The DP ranks and the workers of each (TP x PP): what an update's channels address."""
-        return WorkerLayout(self.data_parallel_size, self.tensor_parallel_size * self.pipeline_parallel_size)
 
 
 class EngineAdapter:
@@ -118,6 +94,8 @@ class EngineAdapter:
             tensor_parallel_size=int(parallel.tensor_parallel_size),
             pipeline_parallel_size=int(parallel.pipeline_parallel_size),
             vllm_version=str(vllm_version),
+            managed_ranks=managed_ranks(parallel),
+            engine_id=shared_engine_id(parallel),
         )
 
     @classmethod

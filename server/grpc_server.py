@@ -50,7 +50,7 @@ from enginectl.weights.v1 import (
 )
 
 if TYPE_CHECKING:
-    from enginectl.server.engine import EngineInfo
+    from enginectl.server.engine_info import EngineInfo
     from enginectl.server.fpm.identity import IdentitySync
     from enginectl.server.metrics import ControlPlaneMetrics
     from enginectl.server.rollouts import RolloutService
@@ -251,6 +251,9 @@ class ControlPlaneServer:
             info.tensor_parallel_size = engine.tensor_parallel_size
             info.pipeline_parallel_size = engine.pipeline_parallel_size
             info.num_workers = engine.num_workers
+            info.managed_ranks.start = engine.managed_ranks.start
+            info.managed_ranks.count = len(engine.managed_ranks)
+            info.engine_id = engine.engine_id or self.ledger.incarnation
             info.vllm_version = engine.vllm_version
         if self._census is not None:
             info.ranks.extend(self._census.ranks())

@@ -28,7 +28,7 @@ from enginectl.contract.engine import (
     WorkerDigest,
 )
 from enginectl.contract.prepare import Prepared, PreparePlan
-from enginectl.server.engine import EngineInfo
+from enginectl.server.engine_info import EngineInfo
 from enginectl.server.worker_calls import RankOutcome
 
 
@@ -108,5 +108,8 @@ class UpdateEngine(PauseEngine, GroupEngine, FingerprintEngine, StagingEngine, P
 
 class TransferEngine(Protocol):
     """A step of vLLM's weight-transfer API on every worker (transfer.py)."""
+
+    @property
+    def info(self) -> EngineInfo: ...
 
     async def transfer(self, step: TransferStep, payload: Any, timeout: float) -> list[TransferAnswer]: ...

@@ -36,7 +36,7 @@ import grpc
 import structlog
 from google.protobuf import json_format
 
-from enginectl.contract.engine import LOAD_RPC_GRACE_S, QUICK_RPC_TIMEOUT_S, TransferStep
+from enginectl.contract.engine import GLOO_TRANSFER_BACKEND, LOAD_RPC_GRACE_S, QUICK_RPC_TIMEOUT_S, TransferStep
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.weights.convert import parse_timeout
 from enginectl.server.weights.engine_protocols import TransferEngine
@@ -135,6 +135,9 @@ class WeightTransfer:
             raise self._updates.generation.in_progress("an update runs")
         timeout = parse_timeout("timeout", request.timeout, request.HasField("timeout"), INIT_TIMEOUT_S)
         info = plain(json_format.MessageToDict(request.init_info))
+        if backend == GLOO_TRANSFER_BACKEND and isinstance(info, dict):
+            # Ranks from this server's first worker on (one server per node: docs/multinode.md).
+            info["first_worker"] = self._engine.info.layout.first_worker
         taking_over = self.initialized
         # Each worker parses `info` before it lets an old connection go (worker/weights/transfer/).
         answers = await self._engine.transfer(TransferStep.INIT, info, timeout + LOAD_RPC_GRACE_S)

@@ -81,7 +81,7 @@ class WeightUpdates:
         # (source, result, bytes loaded, seconds) of every update that ends; result: "ok",
         # "failed", "partial" (failed after writing began) or "cancelled" (before it began).
         self._on_finished = on_finished
-        self._ranks = engine.info.data_parallel_size
+        self._ranks = engine.info.managed_ranks  # its DP ranks, by their engine-wide numbers
         self._dir = Path(tempfile.mkdtemp(prefix="enginectl-updates-"))
         self.generation = Generation(engine, self._ranks, on_pause, on_partial)
         # dp_rank -> host of the ranks on other hosts than this server's (the census; empty on
@@ -313,7 +313,7 @@ class WeightUpdates:
             request_id=plan.request_id,
             tensors_total=len(plan.tensors),
             bytes_total=plan.bytes_total,
-            ranks=[pb2.RankUpdateProgress(dp_rank=r, phase=pb2.UPDATE_PHASE_VALIDATING) for r in range(self._ranks)],
+            ranks=[pb2.RankUpdateProgress(dp_rank=r, phase=pb2.UPDATE_PHASE_VALIDATING) for r in self._ranks],
         )
         if plan.version is not None:
             metadata.weight_version = plan.version

@@ -32,7 +32,7 @@ from enginectl.contract.engine import (
     WorkerDigest,
 )
 from enginectl.contract.prepare import Prepared, PreparePlan
-from enginectl.server.engine import EngineInfo
+from enginectl.server.engine_info import EngineInfo
 from enginectl.server.worker_calls import RankOutcome
 from enginectl.worker.weights.prepare import prepare
 

@@ -224,3 +224,45 @@ async def test_a_worker_counts_the_time_left_on_its_own_clock(spanning: UpdateCh
         assert time.monotonic() - began >= 0.2
     finally:
         worker.close()
+
+
+async def test_a_server_of_ranks_2_and_3_opens_channels_for_their_workers_only(tmp_path: Path) -> None:
+    """Under hybrid load balancing a node's server manages ranks 2..3 of 4 (docs/multinode.md,
+    "One server per node"): one channel per worker of those ranks, and each worker, knowing
+    only its engine-wide rank, finds its own through the plan's first_worker. With channels
+    for all four ranks a send would wait on workers this server never reaches."""
+    ctx = zmq.asyncio.Context()
+    layout = WorkerLayout(DP, TP, first_rank=2)
+    chans = UpdateChannels(ctx, tmp_path, "op", layout)
+    plan = msgspec.structs.replace(_plan(chans), first_worker=layout.first_worker)
+    workers = [Channel(plan, place(_worker(r, w))) for r in layout.dp_ranks for w in range(TP)]
+    try:
+        assert len(chans.data_endpoints) == DP * TP and layout.first_worker == 2 * TP
+        assert [c.slot for c in workers] == list(range(DP * TP))
+        for offset in range(CHUNKS):
+            await asyncio.wait_for(chans.send_chunk(offset, bytes([offset])), 10)
+        got = await asyncio.gather(
+            *(asyncio.to_thread(lambda c=c: [c.recv().offset for _ in range(CHUNKS)]) for c in workers)
+        )
+        assert got == [list(range(CHUNKS))] * (DP * TP)
+        tally = ProgressTally(layout)
+        for c in workers:
+            c.progress(5, 50, force=True)
+        for _ in workers:
+            dp_rank, worker, tensors, done = await asyncio.wait_for(chans.next_progress(), 10)
+            tally.latest[(dp_rank, worker)] = (tensors, done)
+        assert sorted({r for r, _ in tally.latest}) == [2, 3] and tally.total() == (5, 50)
+    finally:
+        for c in workers:
+            c.close()
+        chans.close()
+        ctx.destroy(0)
+
+
+def test_a_layout_from_rank_2_numbers_its_workers_from_0_and_refuses_other_ranks() -> None:
+    layout = WorkerLayout(2, 2, first_rank=2)
+    assert list(layout.dp_ranks) == [2, 3]
+    assert [layout.index(r, w) for r in (2, 3) for w in (0, 1)] == [0, 1, 2, 3]
+    for rank in (0, 1, 4):
+        with pytest.raises(ValueError, match="ranks 2..3"):
+            layout.index(rank, 0)

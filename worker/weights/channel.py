@@ -36,7 +36,7 @@ class Abort(Exception):
 
 class Channel:
     """Data and aborts in (PULL), progress out (PUSH), and the update's deadline. The data
-    channel is this worker's own (`plan.data_endpoints[place.index]`): every worker of a
+    channel is this worker's own (`plan.data_endpoints[place.index - plan.first_worker]`): every worker of a
     rank receives the whole stream and every abort."""
 
     def __init__(self, plan: LoadPlan, place: WorkerPlace) -> None:
@@ -44,7 +44,9 @@ class Channel:
         with unbound():  # ZMQ starts its I/O thread with the context's first socket
             self.data = self._ctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.LINGER, 0)
-        data_endpoint = plan.data_endpoints[place.index]
+        # This worker's place among the workers of the ranks its server manages.
+        self.slot = place.index - plan.first_worker
+        data_endpoint = plan.data_endpoints[self.slot]
         self.data.connect(data_endpoint)
         self.progress_socket = self._ctx.socket(zmq.PUSH)
         self.progress_socket.setsockopt(zmq.LINGER, 0)

@@ -103,7 +103,9 @@ class GroupsMixin:
             return wire(
                 GroupJoined(dp_rank(self), -1, Reason.GROUP_INIT_FAILED, f"group {spec.name!r} exists on this worker")
             )
-        join = joins[spec.name] = start_join(spec, dp_rank(self), spec.rank_offset + global_rank(self))
+        join = joins[spec.name] = start_join(
+            spec, dp_rank(self), spec.rank_offset + global_rank(self) - spec.first_worker
+        )
         return wire(GroupJoined(dp_rank(self), join.rank, joining=True))
 
     def enginectl_group_join_state(self, name: str) -> Any:

@@ -73,7 +73,7 @@ class UpdateChannels:
         tcp = any_port(settings.tcp_address) if settings.tcp_address is not None else ""
         self.data: list[zmq.asyncio.Socket] = []
         endpoints = []
-        for rank in range(layout.ranks):
+        for rank in layout.dp_ranks:
             for worker in range(layout.workers_per_rank):
                 sock = ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)

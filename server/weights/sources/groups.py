@@ -188,6 +188,7 @@ class UpdateGroups:
             world_size=request.world_size,
             timeout=timeout,
             backend=Backend.NCCL if request.backend == pb2.GROUP_BACKEND_NCCL else Backend.GLOO,
+            first_worker=self._engine.info.layout.first_worker,  # ranks from rank_offset on, this server's
         )
         self._pending.add(name)  # from here until it is created, another init of `name` waits its turn
         try:

@@ -203,6 +203,7 @@ def _worker_plan(plan: UpdatePlan, channels: UpdateChannels, deadline: float) ->
         data_endpoints=channels.data_endpoints,
         progress_endpoint=channels.progress_endpoint,
         progress_tcp_endpoint=channels.progress_tcp_endpoint,
+        first_worker=channels.layout.first_worker,
         key=channels.key,
         timeout_s=max(deadline - time.time(), 0.0),
         bucket_bytes=plan.bucket_bytes,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import structlog
@@ -37,7 +37,7 @@ class Generation:
     def __init__(
         self,
         engine: PauseEngine,
-        ranks: int,
+        ranks: Sequence[int],
         on_pause: Callable[[str | None], None] | None = None,
         on_partial: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
@@ -59,7 +59,7 @@ class Generation:
         self._active: UpdateOperation | None = None  # the update running, or last run
         # vLLM's own utilities until `prepare` found enginectl's on every EngineCore.
         self._path: PausePath = VllmPath(engine)
-        self._ranks_at_update_start = [RankGenerationState(r, False) for r in range(ranks)]
+        self._ranks_at_update_start = [RankGenerationState(r, False) for r in ranks]  # the managed ranks
 
     async def prepare(self) -> None:
         """Once, before serving: choose the pause path. enginectl's utilities answer on every

@@ -44,7 +44,7 @@ class ProgressTally:
 
     def total(self) -> tuple[int, int] | None:
         """(tensors, bytes) every worker of every rank has done; None until each reported."""
-        ranks = [self.rank(r) for r in range(self.layout.ranks)]
+        ranks = [self.rank(r) for r in self.layout.dp_ranks]
         if any(r is None for r in ranks):
             return None
         return min(r[0] for r in ranks if r), min(r[1] for r in ranks if r)

@@ -25,7 +25,7 @@ class IpcReader:
     broken_cause = Cause.LOAD_FAILED
 
     def __init__(self, worker: Any, plan: LoadPlan, channel: Channel) -> None:
-        self._mapped = IpcTensors(plan, channel.place.index)
+        self._mapped = IpcTensors(plan, channel.slot)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self._mapped.pairs)

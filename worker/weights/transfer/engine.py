@@ -60,11 +60,15 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     world_size: int
     group_name: str = DEFAULT_GROUP
     timeout_s: float = gloo_transfer.DEFAULT_TRANSFER_TIMEOUT_S
+    # Set by enginectl's server, not the trainer: the global index of the first worker of the
+    # ranks the server manages (contract/engine.py WorkerLayout.first_worker; 0 unless the
+    # server is one of several of a hybrid load-balanced engine).
+    first_worker: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.master_address, str) or not self.master_address:
             raise ValueError("master_address must be a host name or address")
-        for name in ("master_port", "rank_offset", "world_size"):
+        for name in ("master_port", "rank_offset", "world_size", "first_worker"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
@@ -133,8 +137,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             init_info.world_size,
             float(init_info.timeout_s),
             Backend.GLOO,
+            init_info.first_worker,
         )
-        rank = init_info.rank_offset + _global_rank(self.parallel_config)
+        rank = init_info.rank_offset + _global_rank(self.parallel_config) - init_info.first_worker
         join = start_join(spec, self.parallel_config.data_parallel_index, rank)
         outcome = join.wait(spec.timeout + JOIN_MARGIN_S)
         if not isinstance(outcome, Group):

@@ -2084,6 +2084,8 @@ class GetServerInfoResponse(_message.Message):
     START_TIME_FIELD_NUMBER: _builtins.int
     STAGING_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
+    MANAGED_RANKS_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model as given to vLLM: a Hugging Face id or a path (for the embedded default
     model, the path of its cached copy).
@@ -2093,14 +2095,16 @@ class GetServerInfoResponse(_message.Message):
     quantization: _builtins.str
     """vLLM quantization method (e.g. "fp8"); empty when none."""
     data_parallel_size: _builtins.int
-    """Data-parallel size: number of EngineCores, each reported as a dp_rank."""
+    """Data-parallel size: number of EngineCores of the engine, over every server of it (vLLM
+    `--data-parallel-size`). This server manages `managed_ranks` of them.
+    """
     tensor_parallel_size: _builtins.int
     """Tensor-parallel size of each data-parallel rank."""
     pipeline_parallel_size: _builtins.int
     """Pipeline-parallel size of each data-parallel rank."""
     num_workers: _builtins.int
-    """Workers holding weights, over all ranks (dp x tp x pp): the group ranks this engine
-    takes in InitWeightsUpdateGroup.
+    """Workers holding weights, over the ranks this server manages (managed_ranks.count x tp x
+    pp): the group ranks this server takes in InitWeightsUpdateGroup.
     """
     auth_required: _builtins.bool
     """True when mutating RPCs need `authorization: Bearer <token>`."""
@@ -2117,6 +2121,12 @@ class GetServerInfoResponse(_message.Message):
     """Fingerprint method of VerifyWeights(full=true)."""
     incarnation: _builtins.str
     """Random id of this server start; equals WeightVersion.incarnation."""
+    engine_id: _builtins.str
+    """The engine this server is one of: equal on every server of one engine, so a planner can
+    tell which servers' managed_ranks must together cover ranks 0..data_parallel_size-1. For
+    a server that manages every rank of its engine, its incarnation; under hybrid load
+    balancing an opaque hash of the head's data-parallel address and RPC port.
+    """
     @_builtins.property
     def served_model_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The names the model is served under on the OpenAI-compatible HTTP API."""
@@ -2163,6 +2173,15 @@ class GetServerInfoResponse(_message.Message):
         enginectl version) never serves: it exits at start, naming the ranks.
         """
 
+    @_builtins.property
+    def managed_ranks(self) -> Global___DataParallelRange:
+        """The data-parallel ranks this server manages, by their engine-wide numbers: every rank
+        (start 0, count data_parallel_size), or under vLLM's hybrid or external load balancing
+        (`--data-parallel-hybrid-lb`: one API server per node) the node's own. `ranks`,
+        `num_workers`, updates, VerifyWeights and forward-pass metrics cover exactly these
+        (docs/multinode.md, "One server per node"). Unset from servers that predate it: every rank.
+        """
+
     def __init__(
         self,
         *,
@@ -2188,14 +2207,40 @@ class GetServerInfoResponse(_message.Message):
         start_time: _timestamp_pb2.Timestamp | None = ...,
         staging: Global___StagingInfo | None = ...,
         ranks: _abc.Iterable[Global___RankInfo] | None = ...,
+        managed_ranks: Global___DataParallelRange | None = ...,
+        engine_id: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits", "staging", b"staging", "start_time", b"start_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits", "managed_ranks", b"managed_ranks", "staging", b"staging", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_weight_roots", b"allowed_weight_roots", "api_versions", b"api_versions", "auth_required", b"auth_required", "backends", b"backends", "data_parallel_size", b"data_parallel_size", "dtype", b"dtype", "enginectl_version", b"enginectl_version", "fingerprint_method", b"fingerprint_method", "full_fingerprint_method", b"full_fingerprint_method", "incarnation", b"incarnation", "limits", b"limits", "model", b"model", "num_workers", b"num_workers", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "ranks", b"ranks", "served_model_names", b"served_model_names", "staging", b"staging", "start_time", b"start_time", "supported_rpcs", b"supported_rpcs", "tensor_parallel_size", b"tensor_parallel_size", "vllm_version", b"vllm_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_weight_roots", b"allowed_weight_roots", "api_versions", b"api_versions", "auth_required", b"auth_required", "backends", b"backends", "data_parallel_size", b"data_parallel_size", "dtype", b"dtype", "engine_id", b"engine_id", "enginectl_version", b"enginectl_version", "fingerprint_method", b"fingerprint_method", "full_fingerprint_method", b"full_fingerprint_method", "incarnation", b"incarnation", "limits", b"limits", "managed_ranks", b"managed_ranks", "model", b"model", "num_workers", b"num_workers", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "ranks", b"ranks", "served_model_names", b"served_model_names", "staging", b"staging", "start_time", b"start_time", "supported_rpcs", b"supported_rpcs", "tensor_parallel_size", b"tensor_parallel_size", "vllm_version", b"vllm_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetServerInfoResponse: _TypeAlias = GetServerInfoResponse  # noqa: Y015
+
+@_typing.final
+class DataParallelRange(_message.Message):
+    """A run of data-parallel ranks: `start`, start + 1, ..., start + count - 1."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    start: _builtins.int
+    count: _builtins.int
+    def __init__(
+        self,
+        *,
+        start: _builtins.int = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DataParallelRange: _TypeAlias = DataParallelRange  # noqa: Y015
 
 @_typing.final
 class RankInfo(_message.Message):
