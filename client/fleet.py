@@ -136,6 +136,19 @@ class AsyncFleet:
 
     # --- stage ---------------------------------------------------------------------------
 
+    async def pause_generation(self, mode: str = "keep") -> dict[str, Any]:
+        """PauseGeneration on every server at once (their PauseResults, by target). At once,
+        never one after another: the servers of one hybrid load-balanced engine hold its
+        ranks, and vLLM's MoE data-parallel pause and resume are collectives over every rank
+        (docs/multinode.md, "One server per node"). FleetError naming the servers that failed;
+        the others stay paused."""
+        return _or_raise("pause", await self._servers.each(lambda _, c: c.pause_generation(mode)))
+
+    async def resume_generation(self, force: bool = False) -> dict[str, Any]:
+        """ResumeGeneration on every server at once (their GenerationStates, by target); see
+        `pause_generation`."""
+        return _or_raise("resume", await self._servers.each(lambda _, c: c.resume_generation(force)))
+
     async def stage_from_disk(
         self, path: str, version: str | None = None, *, timeout: float | None = None, progress: bool = False
     ) -> FleetStage:
@@ -198,6 +211,17 @@ class AsyncFleet:
         await joining
         self._group = group
         return offsets
+
+    async def destroy_weights_update_group(self, group_name: str = FLEET_GROUP) -> None:
+        """Leave the fleet's group: this trainer's end closes and every server's workers leave
+        it (a server without it is not an error). FleetError naming the servers that failed."""
+        if self._group is not None and self._group.name == group_name:
+            self._group.close()
+            self._group = None
+        left = await self._servers.each(lambda _, c: c.destroy_weights_update_group(group_name, allow_missing=True))
+        errors = {t: ServerOutcome(t, e) for t, e in left.items() if isinstance(e, EnginectlError)}
+        if errors:
+            raise FleetError(f"not every server left the group {group_name!r}", errors)
 
     async def stage_broadcast(
         self,
@@ -402,6 +426,13 @@ class AsyncFleet:
 FleetError_ = FleetStageError  # a setup step (reading servers, joining a group) failed
 
 
+def _or_raise(step: str, answers: dict[str, Any]) -> dict[str, Any]:
+    errors = {t: ServerOutcome(t, a) for t, a in answers.items() if isinstance(a, EnginectlError)}
+    if errors:
+        raise FleetError(f"could not {step} every server", errors)
+    return answers
+
+
 def _local_error(exc: BaseException) -> EnginectlError:
     return EnginectlError(grpc.StatusCode.UNAVAILABLE, f"the broadcast failed: {type(exc).__name__}: {exc}")
 
@@ -429,6 +460,9 @@ class Fleet(LoopOwner[AsyncFleet]):
     stage_from_disk = blocking(AsyncFleet.stage_from_disk)
     stage_from_tensors = blocking(AsyncFleet.stage_from_tensors)
     init_weights_update_group = blocking(AsyncFleet.init_weights_update_group)
+    destroy_weights_update_group = blocking(AsyncFleet.destroy_weights_update_group)
+    pause_generation = blocking(AsyncFleet.pause_generation)
+    resume_generation = blocking(AsyncFleet.resume_generation)
     stage_broadcast = blocking(AsyncFleet.stage_broadcast)
     discard = blocking(AsyncFleet.discard)
     discard_staged = blocking(AsyncFleet.discard_staged)

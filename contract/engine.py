@@ -407,40 +407,6 @@ class StageResult(msgspec.Struct, frozen=True):
 STAGED_DIGEST_METHOD: Final = "staged-crc32"
 
 
-# --- update groups (WorkerRpc.INIT_GROUP, DESTROY_GROUP) -----------------------------------
-
-
-class Backend(str, enum.Enum):
-    GLOO = "gloo"
-    NCCL = "nccl"
-
-
-class GroupSpec(msgspec.Struct, frozen=True):
-    """A private process group with the trainer (rank 0); this server's workers take ranks
-    rank_offset.. in worker order."""
-
-    name: str
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    timeout: float  # seconds: the rendezvous and every collective
-    backend: Backend
-    # WorkerLayout.first_worker: a worker's rank is rank_offset + its global index - this.
-    first_worker: int = 0
-
-
-class GroupJoined(msgspec.Struct, frozen=True):
-    """A worker's answer to INIT_GROUP and GROUP_JOIN_STATE: still `joining`, the rank it
-    took, or why it could not join."""
-
-    dp_rank: int
-    rank: int
-    failure: str = ""  # "", or Cause.GROUP_TIMEOUT / Reason.GROUP_INIT_FAILED
-    message: str = ""
-    joining: bool = False  # the join runs on the worker's thread: ask again
-
-
 # --- bounded worker calls (Utility.WORKER_CALL) ---------------------------------------------
 
 

@@ -32,8 +32,6 @@ from enginectl.contract.engine import (
     DigestJob,
     DigestSlice,
     FinishUpdate,
-    GroupJoined,
-    GroupSpec,
     LoadCheck,
     LoadPlan,
     LoadResult,
@@ -52,6 +50,7 @@ from enginectl.contract.engine import (
     wire,
 )
 from enginectl.contract.engine_config import EngineConfig
+from enginectl.contract.groups import GroupJoined, GroupSpec
 from enginectl.contract.prepare import Prepared, PreparePlan
 from enginectl.server.control_loop import run_on
 from enginectl.server.engine_cores import call_each_core

@@ -96,14 +96,14 @@ REPO = Path(__file__).resolve().parents[2]
 # back to their own paths, so node B sees them as a shared filesystem; then it holds the
 # namespaces until its stdin closes.
 _ANCHOR_SCRIPT = (
-    'hosts="$1"; private="$2"; shift 2'
+    'hosts="$1"; private="$2"; hostname="$3"; shift 3'
     ' && mount --bind "$hosts" /etc/hosts'
     " && mount -t tmpfs -o mode=0700 tmpfs /mnt"
     ' && n=0 && for path in "$@"; do n=$((n+1)); mkdir -p /mnt/$n && mount --bind "$path" /mnt/$n || exit 1; done'
     " && mount -t tmpfs -o mode=1777 tmpfs /tmp"
     " && mount -t tmpfs -o mode=1777 tmpfs /dev/shm"
     ' && n=0 && for path in "$@"; do n=$((n+1)); mkdir -p "$path" && mount --move /mnt/$n "$path" || exit 1; done'
-    f" && hostname {NODE_HOSTNAME}"
+    ' && hostname "$hostname"'
     ' && mkdir -p "$private"'
     " && echo ready"
     " && read _"
@@ -155,6 +155,57 @@ def _subnet_in_use() -> set[int]:
     return {int(x) for x in re.findall(rf"inet {re.escape(SUBNET)}\.(\d+)\.", shown)}
 
 
+class Bridge:
+    """One segment for several nodes, as a switch joins hosts: a bridge in the root network
+    namespace (`ec<pid>b<n>`) with `address` 10.213.X.1/24, the head's (and a trainer's) address
+    on it; each `TwoNodes(bridge=...)` plugs its node in at the next address (.2, .3, ...),
+    so the nodes reach each other as well as the head. Delete it after its nodes are closed."""
+
+    def __init__(self) -> None:
+        n = next(_instances)
+        self.interface = f"ec{os.getpid()}b{n}"
+        self.address = ""
+        self._hosts = itertools.count(2)
+        self._made = False
+
+    def start(self) -> Bridge:
+        if os.geteuid() != 0:
+            raise NodeSetupError("network namespaces need root (euid is not 0)")
+        used = _subnet_in_use()
+        x = next((x for x in range((os.getpid() * 11) % 256, 256) if x not in used), None)
+        x = x if x is not None else next((x for x in range(256) if x not in used), None)
+        if x is None:
+            raise NodeSetupError(f"every {SUBNET}.X.0/24 is in use")
+        try:
+            _must(["ip", "link", "add", self.interface, "type", "bridge"])
+            self._made = True
+            self.address = f"{SUBNET}.{x}.1"
+            _must(["ip", "addr", "add", f"{self.address}/24", "dev", self.interface])
+            _must(["ip", "link", "set", self.interface, "up"])
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def next_address(self) -> str:
+        return f"{self.address.rsplit('.', 1)[0]}.{next(self._hosts)}"
+
+    def close(self) -> None:
+        """Delete the bridge by its name (idempotent); raises if the deletion failed."""
+        if not self._made:
+            return
+        done = _run(["ip", "link", "del", self.interface])
+        self._made = False
+        if done.returncode != 0:
+            raise RuntimeError(f"ip link del {self.interface}: {done.stderr.strip()}")
+
+    def __enter__(self) -> Bridge:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class TwoNodes:
     """Node B beside this host's root namespaces (the module docstring says what is apart).
 
@@ -163,13 +214,16 @@ class TwoNodes:
     `head_env` what the head's own processes add to theirs.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, bridge: Bridge | None = None, hostname: str = NODE_HOSTNAME) -> None:
         n = self._instance = next(_instances)
         pid = os.getpid()
         self.namespace = f"ectl-{pid}-{n}"
-        self.head_interface = f"ea{pid}n{n}"  # at most 15 characters: 2 + 7 + 1 + 5
+        self._veth = f"ea{pid}n{n}"  # at most 15 characters: 2 + 7 + 1 + 5
+        # The head's end of the link to node B: the veth end, or with a bridge the bridge.
+        self.head_interface = bridge.interface if bridge is not None else self._veth
         self.node_interface = f"eb{pid}n{n}"
-        self.hostname = NODE_HOSTNAME
+        self.bridge = bridge
+        self.hostname = hostname
         self.head_address = ""
         self.node_address = ""
         self.node_private = Path("/tmp") / f"{self.namespace}-private"
@@ -202,16 +256,22 @@ class TwoNodes:
         missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
         if missing:
             raise NodeSetupError(f"missing tools: {', '.join(missing)}")
-        x = self._pick_subnet()
-        self.head_address, self.node_address = f"{SUBNET}.{x}.1", f"{SUBNET}.{x}.2"
+        if self.bridge is not None:
+            self.head_address, self.node_address, prefix = self.bridge.address, self.bridge.next_address(), 24
+        else:
+            x = self._pick_subnet()
+            self.head_address, self.node_address, prefix = f"{SUBNET}.{x}.1", f"{SUBNET}.{x}.2", 30
         _must(["ip", "netns", "add", self.namespace])
         self._created.append("netns")
-        _must(["ip", "link", "add", self.head_interface, "type", "veth", "peer", "name", self.node_interface])
+        _must(["ip", "link", "add", self._veth, "type", "veth", "peer", "name", self.node_interface])
         self._created.append("link")
         _must(["ip", "link", "set", self.node_interface, "netns", self.namespace])
-        _must(["ip", "addr", "add", f"{self.head_address}/30", "dev", self.head_interface])
-        _must(["ip", "link", "set", self.head_interface, "up"])
-        _must(["ip", "-n", self.namespace, "addr", "add", f"{self.node_address}/30", "dev", self.node_interface])
+        if self.bridge is not None:
+            _must(["ip", "link", "set", self._veth, "master", self.bridge.interface])
+        else:
+            _must(["ip", "addr", "add", f"{self.head_address}/{prefix}", "dev", self._veth])
+        _must(["ip", "link", "set", self._veth, "up"])
+        _must(["ip", "-n", self.namespace, "addr", "add", f"{self.node_address}/{prefix}", "dev", self.node_interface])
         _must(["ip", "-n", self.namespace, "link", "set", self.node_interface, "up"])
         _must(["ip", "-n", self.namespace, "link", "set", "lo", "up"])
         self._start_anchor()
@@ -228,12 +288,13 @@ class TwoNodes:
     def _start_anchor(self) -> None:
         self._scratch = Path(tempfile.mkdtemp(prefix=f"{self.namespace}-"))
         hosts = self._scratch / "hosts"
-        hosts.write_text(f"127.0.0.1 localhost\n{self.node_address} {NODE_HOSTNAME}\n")
+        hosts.write_text(f"127.0.0.1 localhost\n{self.node_address} {self.hostname}\n")
         self.anchor = subprocess.Popen(
             [
                 *("ip", "netns", "exec", self.namespace),
                 *("unshare", "--mount", "--uts", "--propagation", "private"),
-                *("sh", "-c", _ANCHOR_SCRIPT, "anchor", str(hosts), str(self.node_private), *shared_under_private()),
+                *("sh", "-c", _ANCHOR_SCRIPT, "anchor", str(hosts), str(self.node_private), self.hostname),
+                *shared_under_private(),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -258,9 +319,9 @@ class TwoNodes:
         self._stop_anchor()
         failures = []
         if "link" in self._created:  # deleting one end deletes the pair, wherever the other is
-            done = _run(["ip", "link", "del", self.head_interface])
+            done = _run(["ip", "link", "del", self._veth])
             if done.returncode != 0:
-                failures.append(f"ip link del {self.head_interface}: {done.stderr.strip()}")
+                failures.append(f"ip link del {self._veth}: {done.stderr.strip()}")
         if "netns" in self._created:
             done = _run(["ip", "netns", "del", self.namespace])
             if done.returncode != 0:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from enginectl.contract.engine import GroupSpec, read
+from enginectl.contract.engine import read
+from enginectl.contract.groups import GroupSpec
 from enginectl.worker.weights.extension import EnginectlWorkerExtension
 
 LATE_PREFIX = "late-"

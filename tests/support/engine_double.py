@@ -19,8 +19,6 @@ from enginectl.contract.engine import (
     DigestJob,
     DigestSlice,
     FinishUpdate,
-    GroupJoined,
-    GroupSpec,
     LoadCheck,
     LoadError,
     LoadPlan,
@@ -31,6 +29,7 @@ from enginectl.contract.engine import (
     TransferStep,
     WorkerDigest,
 )
+from enginectl.contract.groups import GroupJoined, GroupSpec
 from enginectl.contract.prepare import Prepared, PreparePlan
 from enginectl.server.engine_info import EngineInfo
 from enginectl.server.worker_calls import RankOutcome

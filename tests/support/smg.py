@@ -44,7 +44,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class SmgGateway:
-    """`smg launch --host 127.0.0.1 --port PORT --enable-rl [--enable-igw] ...` as a subprocess.
+    """`smg launch --host HOST --port PORT --enable-rl [--enable-igw] ...` as a subprocess.
 
     `port`: None picks a free one. `worker_urls`: workers SMG starts with. `control_plane_token`:
     SMG then requires `Authorization: Bearer TOKEN` on its control plane (/workers), and
@@ -61,8 +61,10 @@ class SmgGateway:
         control_plane_token: str | None = None,
         api_key: str | None = None,
         extra_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
     ) -> None:
-        self.port = port or free_port()
+        self.host = host  # where it listens (another address than loopback for workers on other nodes)
+        self.port = port or free_port(host)
         self.control_plane_token = control_plane_token
         self._log_dir = tempfile.TemporaryDirectory(prefix="smg-")
         self.log_path = Path(self._log_dir.name) / "smg.log"
@@ -70,7 +72,7 @@ class SmgGateway:
             str(SMG),
             "launch",
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(self.port),
             # SMG's metrics server binds 0.0.0.0:29000 by default: one gateway per machine.
@@ -92,7 +94,7 @@ class SmgGateway:
     @property
     def url(self) -> str:
         """SMG's HTTP address, e.g. http://127.0.0.1:40123."""
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def log(self, tail: int = 60) -> str:
         """The last `tail` lines SMG logged."""

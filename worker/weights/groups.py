@@ -31,7 +31,8 @@ import torch
 
 from enginectl.common import buckets, dtypes
 from enginectl.common.vocabulary import Reason
-from enginectl.contract.engine import Backend, Cause, GroupJoined, GroupSpec, LoadPlan, TensorSpec, read, wire
+from enginectl.contract.engine import Cause, LoadPlan, TensorSpec, read, wire
+from enginectl.contract.groups import Backend, GroupJoined, GroupSpec
 from enginectl.worker.weights.channel import POLL_MS, Abort, Channel
 from enginectl.worker.weights.cores import unbind_this_thread
 from enginectl.worker.weights.ranks import dp_rank, global_rank

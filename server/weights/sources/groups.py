@@ -24,7 +24,8 @@ import grpc
 import structlog
 
 from enginectl.common.host import is_loopback
-from enginectl.contract.engine import Backend, Cause, GroupJoined, GroupSpec, RankFailure
+from enginectl.contract.engine import Cause, RankFailure
+from enginectl.contract.groups import Backend, GroupJoined, GroupSpec
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.limits import (
     DEFAULT_GROUP_TIMEOUT_S,

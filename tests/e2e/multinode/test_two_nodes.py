@@ -93,7 +93,8 @@ context.term()
 # with enginectl's own join, then receives one float32 tensor of 4 broadcast by rank 0.
 JOIN_AND_RECEIVE = """
 import json, sys, time
-from enginectl.contract.engine import Backend, GroupSpec, TensorSpec
+from enginectl.contract.engine import TensorSpec
+from enginectl.contract.groups import Backend, GroupSpec
 from enginectl.worker.weights.groups import Group, received_broadcast, start_join
 
 address, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])

@@ -38,7 +38,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from enginectl.common import dtypes, gloo_transfer
-from enginectl.contract.engine import GLOO_TRANSFER_BACKEND, Backend, GroupSpec, TensorSpec
+from enginectl.contract.engine import GLOO_TRANSFER_BACKEND, TensorSpec
+from enginectl.contract.groups import Backend, GroupSpec
 from enginectl.worker.weights.groups import Group, received_broadcast, start_join
 from enginectl.worker.weights.transfer.staging_target import StagingTarget
 
