@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.fleet import phase as fleet
+from bench.fleet_hosts import phase as fleet_hosts
 from bench.fpm import phase as fpm
 from bench.fpm import publish as fpm_publish
 from bench.gateway import phase as gateway
@@ -59,6 +60,7 @@ PHASES = (
     "tensor_parallel",
     "load_check",
     "multinode",
+    "fleet_hosts",
 )
 DIAGNOSTIC_VARIANTS = ("bare-uvloop", "intercepted-nolog", "intercepted", "controlplane")
 
@@ -384,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             results["load_check"] = load_check.phase(args.quick)
         if "multinode" in phases:  # its own DP=2 engines: one host, and rank 1 on node B
             results["multinode"] = multinode.phase(args.quick)
+        if "fleet_hosts" in phases:  # its own four servers: two here, one on each of two other hosts
+            results["fleet_hosts"] = fleet_hosts.phase(args.quick)
         results["enginectl_log_lines"] = eng.lines_seen
     finally:
         if vllm:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from bench.fleet import phase as fleet
+from bench.fleet_hosts import phase as fleet_hosts
 from bench.fpm import phase as fpm
 from bench.fpm import publish as fpm_publish
 from bench.gateway import phase as gateway
@@ -127,6 +128,7 @@ def figures(results: dict) -> list[dict]:
     out += tensor_parallel.figures(results)
     out += load_check.figures(results)
     out += multinode.figures(results)
+    out += fleet_hosts.figures(results)
     return out
 
 

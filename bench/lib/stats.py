@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -52,3 +53,21 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
         return None
     return round(a / b, 3)
+
+
+def reported_figure(
+    figure: str, baseline: str, base_val: float | None, eng_val: float | None, unit: str = "ms", **extra: Any
+) -> dict[str, Any]:
+    """A figure with no target (reported only): the two values and their ratio, and `extra`
+    fields (e.g. "floor")."""
+    return {
+        "figure": figure,
+        "baseline": baseline,
+        "baseline_value": base_val,
+        "enginectl_value": eng_val,
+        "unit": unit,
+        "ratio": ratio(eng_val, base_val),
+        "target": "reported (no target)",
+        "met": None,
+        **extra,
+    }

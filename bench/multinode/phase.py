@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.lib.harness import BIN, ServeProcess, base_env, serve_command
 from bench.lib.progress import log
-from bench.lib.stats import ratio
+from bench.lib.stats import reported_figure
 
 SERVERS = ("one_host", "two_node")
 
@@ -92,36 +92,21 @@ def figures(results: dict[str, Any]) -> list[dict[str, Any]]:
         ("tensors", f"UpdateWeightsFromTensors, tiny model ({res['num_tensors']} tensors), median", "median_ms"),
     ):
         one, two = res[key]["one_host"][stat], res[key]["two_node"][stat]
-        out.append(
-            {
-                "figure": f"{what}, rank 1 on node B (veth pair)",
-                "baseline": base,
-                "baseline_value": one,
-                "enginectl_value": two,
-                "unit": "ms",
-                "ratio": ratio(two, one),
-                "target": "reported (no target)",
-                "met": None,
-            }
-        )
+        out.append(reported_figure(f"{what}, rank 1 on node B (veth pair)", base, one, two))
     fpm = res["fpm"]["two_node"]
     local, remote = fpm["0"], fpm["1"]
     for stat in ("p50_ms", "p99_ms"):
         out.append(
-            {
-                "figure": f"FPM sample latency {stat[:-3]} (emit to subscriber), rank 1 on node B",
-                "baseline": "rank 0 of the same engine, on the head, same window",
-                "baseline_value": local["latency"].get(stat),
-                "enginectl_value": remote["latency"].get(stat),
-                "unit": "ms",
-                "ratio": ratio(remote["latency"].get(stat), local["latency"].get(stat)),
-                "target": "reported (no target)",
-                "met": None,
-                "floor": (
+            reported_figure(
+                f"FPM sample latency {stat[:-3]} (emit to subscriber), rank 1 on node B",
+                "rank 0 of the same engine, on the head, same window",
+                local["latency"].get(stat),
+                remote["latency"].get(stat),
+                floor=(
                     f"delivered rank 0 / rank 1: {local['delivered']} / {remote['delivered']} "
                     f"({local['samples']} / {remote['samples']} samples, {fpm['missed']} missed); one host: "
                     f"rank 1 p50 {res['fpm']['one_host']['1']['latency'].get('p50_ms')} ms"
                 ),
-            }
+            )
         )
     return out

@@ -7,6 +7,7 @@ Imported as `bench.lib.harness`: pytest runs from the repository root (`make tes
 
 from __future__ import annotations
 
+import subprocess
 from typing import NoReturn
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from bench.lib import harness
 from bench.lib.harness import BIN, EXIT_TIMEOUT_S, READY_TIMEOUT_S, alive, base_env
 
-__all__ = ["BIN", "EXIT_TIMEOUT_S", "READY_TIMEOUT_S", "ServeProcess", "alive", "base_env"]
+__all__ = ["BIN", "EXIT_TIMEOUT_S", "READY_TIMEOUT_S", "ServeProcess", "alive", "base_env", "enginectl_cli"]
 
 
 class ServeProcess(harness.ServeProcess):
@@ -26,3 +27,18 @@ class ServeProcess(harness.ServeProcess):
 
     def fail(self, message: str) -> NoReturn:
         pytest.fail(message)
+
+
+def enginectl_cli(*words: str, token: str | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """`enginectl WORDS` as a script runs it (stdout not a terminal: JSON), with `token` as
+    $ENGINECTL_TOKEN; stdout and stderr as text."""
+    env = base_env() if token is None else {**base_env(), "ENGINECTL_TOKEN": token}
+    return subprocess.run(
+        [str(BIN / "enginectl"), *words],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )

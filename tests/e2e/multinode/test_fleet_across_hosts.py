@@ -18,6 +18,7 @@ One pair of servers for the module; tests run in file order.
 
 from __future__ import annotations
 
+import json
 import secrets
 import shutil
 import uuid
@@ -26,7 +27,7 @@ from typing import Any
 
 import grpc
 import pytest
-from support.serving import base_env
+from support.serving import base_env, enginectl_cli
 from support.two_node import NodeServe, TwoNodes, bridged_nodes, shared_model, shared_root
 from support.weights import Checkpoints, build_checkpoints, greedy_tokens
 
@@ -148,6 +149,14 @@ def test_one_broadcast_from_a_third_address_stages_both_and_a_commit_with_a_fail
     for server in (a, b):
         with hosts.client(server) as c:
             assert c.get_weight_version().version == "bcast-B"
+    # The operator's view from this host: `enginectl fleet status` over both, with the token.
+    shown = enginectl_cli("-o", "json", "fleet", "status", "--targets", ",".join(hosts.targets), token=hosts.token)
+    assert shown.returncode == 0, shown.stderr
+    document = json.loads(shown.stdout)
+    assert document["consistent"] is True
+    assert {t: s["version"]["version"] for t, s in document["servers"].items()} == dict.fromkeys(
+        hosts.targets, "bcast-B"
+    )
 
 
 def test_a_planner_over_both_hosts_reconciles_from_their_managed_ranks(hosts: Hosts) -> None:

@@ -11,7 +11,8 @@ vLLM switches to external load balancing, which it refuses for dense models). A 
 two servers updates the engine: tensor stream, disk and one gloo broadcast, each with per-rank
 results for all four ranks and VerifyWeights MATCH on each; each server registered itself with
 an SMG gateway (`--gateway`) that shows the fleet's version on both; a planner over both sees
-all four ranks' forward-pass metrics under the engine's one worker id. Without rank ranges a server
+all four ranks' forward-pass metrics under the engine's one worker id; vLLM's trainer-side transfer API,
+with the fleet as its client, stages and commits all four ranks. Without rank ranges a server
 would open channels for all four ranks and wait on the two it never reaches, and the fleet's
 group would count eight workers and never form.
 
@@ -20,6 +21,7 @@ One engine for the module; tests run in file order.
 
 from __future__ import annotations
 
+import json
 import secrets
 import shutil
 import uuid
@@ -27,15 +29,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support.serving import ServeProcess
+from support.serving import ServeProcess, enginectl_cli
 from support.smg import SmgGateway
 from support.two_node import NODE_HOSTNAME, NodeServe, TwoNodes, shared_model, shared_root, two_nodes
 from support.weights import Checkpoints, build_checkpoints, greedy_tokens
+from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
 from bench.lib.procs import free_port
 from enginectl.client import Fleet, PlannerThread, TrainerClient
 from enginectl.client.client import ChannelConfig
 from enginectl.client.rank_ranges import engine_coverage, expected_ranks
+from enginectl.client.transfer_engine import GlooTrainerInitInfo, StateDictSource, register
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -76,6 +80,7 @@ def engine(serve_env: dict[str, str], request: pytest.FixtureRequest) -> Iterato
         dp = ["--data-parallel-size", "4", "--data-parallel-size-local", "2", "--data-parallel-hybrid-lb"]
         dp += ["--data-parallel-address", nodes.head_address, "--data-parallel-rpc-port", str(free_port())]
         dp += ["--allow-weights-from", str(weights), "--gateway", smg.url]  # each node's server registers
+        dp += ["--weight-transfer-config", '{"backend": "gloo"}']  # vLLM's flag: the last test's engine
         head = ServeProcess([*dp, "--data-parallel-start-rank", "0"], head_env).start()
         node = NodeServe(
             nodes, [*dp, "--data-parallel-start-rank", "2"], nodes.node_env(cache_dir=cache, ENGINECTL_TOKEN=token)
@@ -175,3 +180,54 @@ def test_the_planner_sees_all_four_ranks_under_the_engines_one_worker_id(engine:
     with PlannerThread(endpoints) as planner:
         assert planner.wait_for(lambda p: p.reconcile(expected).ok, timeout=60), planner.reconcile(expected)
         assert planner.reconcile(expected).workers == {"hybrid-engine": (0, 1, 2, 3)}
+    # The operator's view: `enginectl fpm top` over both nodes' servers, with the same token.
+    top = enginectl_cli(
+        *("fpm", "top", "--targets", ",".join(engine.targets), "--once", "--wait", "60"),
+        *("--expect", "hybrid-engine", "-o", "json"),
+        token=engine.token,
+    )
+    assert top.returncode == 0, top.stderr
+    frame = json.loads(top.stdout)
+    assert [(e["target"], e["data_parallel_size"], e["managed_ranks"]) for e in frame["endpoints"]] == [
+        (engine.head.grpc_target, 4, [0, 1]),
+        (engine.node.grpc_target, 4, [2, 3]),
+    ]
+    assert sorted((r["endpoint"], r["dp_rank"], r["worker_id"]) for r in frame["ranks"]) == sorted(
+        [
+            (engine.head.grpc_target, 0, "hybrid-engine"),
+            (engine.head.grpc_target, 1, "hybrid-engine"),
+            (engine.node.grpc_target, 2, "hybrid-engine"),
+            (engine.node.grpc_target, 3, "hybrid-engine"),
+        ]
+    )
+    assert frame["verdict"] == "OK", frame["detail"]
+
+
+def test_vllms_trainer_api_through_the_fleet_stages_all_four_ranks(engine: Engine) -> None:
+    """vLLM's trainer-side transfer API with the fleet as its client: each server's workers take
+    the group ranks of its window (the server tells its workers where its ranks start), one
+    broadcast stages both, the commit loads all four ranks."""
+    register()
+    with engine.fleet() as fleet:
+        assert fleet.transfer_world_size() == 5  # the trainer and four workers, not 1 + 2 x 4
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            GlooTrainerInitInfo(
+                master_address=engine.nodes.head_address, master_port=0, world_size=5, rank=0, timeout_s=60.0
+            ),
+            client=fleet,
+            source=StateDictSource(engine.checkpoints.state_dict("A")),
+        )
+        try:
+            trainer.send_weights(weight_version="transfer-A")
+            stage = fleet.last_stage
+            assert stage is not None and set(stage.staged) == set(engine.targets)
+            commit = fleet.commit(stage)
+        finally:
+            trainer.shutdown()
+            fleet.shutdown_weight_transfer_engine()
+        assert {t: [r.dp_rank for r in o.result.ranks] for t, o in commit.outcomes.items() if o.result} == {
+            engine.head.grpc_target: [0, 1],
+            engine.node.grpc_target: [2, 3],
+        }
+        verified = fleet.verify(full=True)
+        assert all(r.verdict == "MATCH" for v in verified.values() for r in v.ranks), verified
