@@ -51,9 +51,9 @@ from enginectl.client.fleet_types import (
     ServerOutcome,
     ServerStatus,
 )
+from enginectl.client.master_address import refuse_loopback_master
 from enginectl.client.planner import Planner, PlannerThread, RankState, latest_ranks
 from enginectl.client.trainer import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, AsyncTrainerClient
-from enginectl.client.trainer_broadcast import refuse_loopback_master
 from enginectl.client.trainer_requests import duration
 from enginectl.client.trainer_tensors import BroadcastGroup, TensorSource, named_tensors, tensor_spec
 from enginectl.client.trainer_types import StagedWeights, UpdateOperation, UpdateResult, Verification

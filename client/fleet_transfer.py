@@ -37,6 +37,7 @@ from typing import Any
 from enginectl.client.errors import EnginectlError
 from enginectl.client.fleet_servers import FleetServers
 from enginectl.client.fleet_types import FleetError, FleetStage, FleetStageError, ServerOutcome, stage_outcome
+from enginectl.client.master_address import refuse_loopback_master
 from enginectl.client.trainer_transfer import RoundOptions
 from enginectl.client.trainer_types import UpdateOperation
 
@@ -64,8 +65,12 @@ class FleetTransfer:
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any], *, timeout: float = INIT_TIMEOUT_S) -> None:
         """Every server's transfer engine joins the trainer's group, at its own rank offset.
-        Raises FleetError (the servers that joined are shut down again) unless all did."""
-        offsets, _ = await self._servers.worker_offsets()
+        Raises FleetError (the servers that joined are shut down again) unless all did;
+        FailedPreconditionError MASTER_ADDRESS_LOOPBACK, before any server is asked, when the
+        info's master_address is a loopback address and a server's rank runs on another host."""
+        infos = await self._servers.infos()
+        await refuse_loopback_master(str(init_info.get("master_address", "")), infos)
+        offsets, _ = await self._servers.worker_offsets(infos)
         base = int(init_info.get("rank_offset", 1))
         answers = await self._servers.each(
             lambda t, c: c.init_weight_transfer_engine(dict(init_info, rank_offset=base + offsets[t]), timeout=timeout)

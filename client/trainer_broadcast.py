@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from enginectl.client._sync import LoopThread, blocking
-from enginectl.client.errors import FailedPreconditionError, Reason
+from enginectl.client.master_address import refuse_loopback_master
 from enginectl.client.trainer_operations import require_done
 from enginectl.client.trainer_requests import GRACE_S, UpdateOptions
 from enginectl.client.trainer_tensors import (
@@ -27,14 +24,12 @@ from enginectl.client.trainer_tensors import (
     tensor_spec,
 )
 from enginectl.client.trainer_types import (
-    ServerInfo,
     TrainerCalls,
     UpdateOperation,
     UpdateResult,
     WeightsUpdateGroup,
 )
 from enginectl.common.buckets import cut
-from enginectl.common.host import host_identity, is_loopback, route_to
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 if TYPE_CHECKING:
@@ -319,31 +314,3 @@ class BroadcastUpdates:
         broadcast = await self.start(tensors, options, group_name, progress, bucket_bytes)
         await broadcast.send()
         return await broadcast.wait()
-
-
-async def refuse_loopback_master(master_address: str, servers: Mapping[str, ServerInfo]) -> None:
-    """FailedPreconditionError MASTER_ADDRESS_LOOPBACK when `master_address` is a loopback
-    address and a rank of one of `servers` (target -> its GetServerInfo) runs on another host
-    than this process: that rank's workers would look for this trainer's store on their own
-    host and the join would end GROUP_TIMEOUT, after the others joined. Ranks are placed by
-    the servers' census (RankInfo.host_id against this host's; docs/multinode.md)."""
-    here = host_identity().host_id
-    elsewhere = [
-        f"{f'{target}: ' if target else ''}rank {r.dp_rank} on {r.host}"
-        for target, info in servers.items()
-        for r in info.ranks
-        if r.host_id and r.host_id != here
-    ]
-    if not elsewhere or not await asyncio.to_thread(is_loopback, master_address):
-        return
-    remote = [t for t, info in servers.items() if t and any(r.host_id and r.host_id != here for r in info.ranks)]
-    routes = [a for a in await asyncio.gather(*(asyncio.to_thread(route_to, t) for t in remote)) if a]
-    hint = f"master_address={routes[0]!r} (this host's address toward {remote[0]!r}) or " if routes else ""
-    raise FailedPreconditionError(
-        grpc.StatusCode.FAILED_PRECONDITION,
-        f"master_address {master_address!r} is a loopback address, which ranks on other hosts "
-        f"({', '.join(elsewhere)}) can not reach this trainer at; pass {hint}an address of this host "
-        "every node reaches",
-        Reason.MASTER_ADDRESS_LOOPBACK,
-        {"master_address": master_address, **({"suggested_master_address": routes[0]} if routes else {})},
-    )

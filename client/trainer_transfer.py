@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, cast
 from google.protobuf import json_format, struct_pb2
 
 from enginectl.client.client import Connection
+from enginectl.client.master_address import refuse_loopback_master
 from enginectl.client.trainer_requests import GRACE_S, duration, parse_pause_mode
-from enginectl.client.trainer_types import UpdateOperation, UpdateResult
+from enginectl.client.trainer_types import ServerInfo, UpdateOperation, UpdateResult
 from enginectl.weights.v1 import weight_update_service_pb2 as pb2
 
 if TYPE_CHECKING:
@@ -76,7 +77,12 @@ class TransferRounds:
     async def init_weight_transfer_engine(self, init_info: dict[str, Any], *, timeout: float | None = None) -> None:
         """The server's transfer engine joins the trainer engine's group as `init_info` (the
         trainer engine's own) says; `timeout` bounds the join on the server (None: its
-        default). Returns once every worker joined."""
+        default). Returns once every worker joined. FailedPreconditionError
+        MASTER_ADDRESS_LOOPBACK, before the server is asked, when the info's master_address is
+        a loopback address and a rank of the server runs on another host than this process."""
+        served = await self._connection.unary(self._stub.GetServerInfo, pb2.GetServerInfoRequest(), None)
+        servers = {self._connection.config.target: ServerInfo.from_proto(served)}
+        await refuse_loopback_master(str(init_info.get("master_address", "")), servers)
         info = struct_pb2.Struct()
         info.update(init_info)
         request = pb2.InitWeightTransferEngineRequest(init_info=info)

@@ -40,6 +40,7 @@ from enginectl.contract.engine import GLOO_TRANSFER_BACKEND, LOAD_RPC_GRACE_S, Q
 from enginectl.server.errors import ControlPlaneError, Reason, invalid_field
 from enginectl.server.weights.convert import parse_timeout
 from enginectl.server.weights.engine_protocols import TransferEngine
+from enginectl.server.weights.sources.groups import check_master_reachable
 from enginectl.server.weights.sources.transfer_round import STAGES, TransferRound
 from enginectl.server.weights.update.operations import UpdateOperation
 from enginectl.server.weights.updates import WeightUpdates
@@ -135,6 +136,9 @@ class WeightTransfer:
             raise self._updates.generation.in_progress("an update runs")
         timeout = parse_timeout("timeout", request.timeout, request.HasField("timeout"), INIT_TIMEOUT_S)
         info = plain(json_format.MessageToDict(request.init_info))
+        address = info.get("master_address") if isinstance(info, dict) else None
+        if isinstance(address, str) and self._updates.remote_ranks:  # a name may resolve slowly
+            await asyncio.to_thread(check_master_reachable, address, self._updates.remote_ranks)
         if backend == GLOO_TRANSFER_BACKEND and isinstance(info, dict):
             # Ranks from this server's first worker on (one server per node: docs/multinode.md).
             info["first_worker"] = self._engine.info.layout.first_worker

@@ -88,6 +88,7 @@ class WeightUpdates:
         # one host): what no IPC update and no loopback group can reach, named in refusals.
         self._remote_ranks = MappingProxyType(dict(remote_ranks))
         self.groups = UpdateGroups(engine, on_takeover, remote_ranks=self._remote_ranks)
+        self.remote_ranks = self._remote_ranks  # read by the transfer engine's init (transfer.py)
         # The source of every update whose workers read the weights themselves (and of a
         # tensor stream, fed through their channels); a transfer round brings its own.
         # `channels`: where they listen (TCP for ranks on other hosts) and their key.

@@ -79,7 +79,7 @@ async def test_a_loopback_master_is_refused_when_a_rank_runs_on_another_host() -
     import pytest
 
     from enginectl.client.errors import FailedPreconditionError
-    from enginectl.client.trainer_broadcast import refuse_loopback_master
+    from enginectl.client.master_address import refuse_loopback_master
     from enginectl.client.trainer_types import ServerInfo
     from enginectl.common.host import HostIdentity, host_identity
     from enginectl.weights.v1 import weight_update_service_pb2 as pb2

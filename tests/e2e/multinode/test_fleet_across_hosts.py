@@ -107,6 +107,10 @@ def test_a_loopback_master_is_refused_at_once_naming_the_address_to_use_and_noth
     assert (err.code, err.reason) == (grpc.StatusCode.FAILED_PRECONDITION, Reason.MASTER_ADDRESS_LOOPBACK)
     assert "rank 0 on node-a" in err.message and "rank 0 on node-b" in err.message, err.message
     assert f"master_address='{hosts.trainer_address}'" in err.message, err.message  # the route toward them
+    # vLLM's transfer-engine init through the fleet: refused alike, before any server is asked.
+    with pytest.raises(EnginectlError) as transfer:
+        fleet.init_weight_transfer_engine({"master_address": "localhost", "master_port": 29500, "world_size": 3})
+    assert transfer.value.reason == Reason.MASTER_ADDRESS_LOOPBACK, transfer.value
     for server in (hosts.a, hosts.b):
         with hosts.client(server) as c, pytest.raises(EnginectlError) as missing:
             c.destroy_weights_update_group("loopback")  # no server has (or is joining) the group

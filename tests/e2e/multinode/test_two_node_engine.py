@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import grpc
 import psutil
 import pytest
+from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.fpm_helpers import SampleStream
 from support.serving import BIN, ServeProcess
@@ -82,6 +83,7 @@ def pair(
     shutil.copytree(checkpoints.b, head_only / "C")
     dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]
     dp += ["--data-parallel-address", nodes.head_address, "--data-parallel-rpc-port", str(free_port())]
+    dp += ["--weight-transfer-config", '{"backend": "gloo"}']  # vLLM's transfer engine on every rank
     head = ServeProcess(
         [*dp, "--enable-scale-out", "--allow-weights-from", str(weights), "--allow-weights-from", str(head_only)],
         head_env,
@@ -222,6 +224,17 @@ def test_a_broadcast_whose_master_is_the_heads_loopback_is_refused_before_anythi
             upb_grpc.WeightUpdateServiceStub(channel).InitWeightsUpdateGroup(request, timeout=60)
     error = from_rpc_error(raw.value)
     assert (error.code, error.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "MASTER_ADDRESS_LOOPBACK"), error
+    # vLLM's transfer-engine init, as vLLM's own trainer API sends it: refused alike, no worker asked.
+    info = struct_pb2.Struct()
+    info.update({"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1, "world_size": 3})
+    with grpc.insecure_channel(pair.head.grpc_target) as channel:
+        with pytest.raises(grpc.RpcError) as raw:
+            upb_grpc.WeightUpdateServiceStub(channel).InitWeightTransferEngine(
+                upb.InitWeightTransferEngineRequest(init_info=info), timeout=60
+            )
+    error = from_rpc_error(raw.value)
+    assert (error.code, error.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "MASTER_ADDRESS_LOOPBACK"), error
+    assert "rank 1 on node-b" in error.message, error.message
     assert health(pair.head.grpc_target) == SERVING
 
 
