@@ -21,7 +21,8 @@ async def refuse_loopback_master(master_address: str, servers: Mapping[str, Serv
     address and a rank of one of `servers` (target -> its GetServerInfo) runs on another host
     than this process: that rank's workers would look for this trainer's store on their own
     host and the join would end GROUP_TIMEOUT, after the others joined. Ranks are placed by
-    the servers' census (RankInfo.host_id against this host's; docs/multinode.md)."""
+    the servers' census (RankInfo.host_id against this host's; docs/multinode.md). An empty
+    address is left to the server to refuse."""
     here = host_identity().host_id
     elsewhere = [
         f"{f'{target}: ' if target else ''}rank {r.dp_rank} on {r.host}"
@@ -29,7 +30,7 @@ async def refuse_loopback_master(master_address: str, servers: Mapping[str, Serv
         for r in info.ranks
         if r.host_id and r.host_id != here
     ]
-    if not elsewhere or not await asyncio.to_thread(is_loopback, master_address):
+    if not master_address or not elsewhere or not await asyncio.to_thread(is_loopback, master_address):
         return
     remote = [t for t, info in servers.items() if t and any(r.host_id and r.host_id != here for r in info.ranks)]
     routes = [a for a in await asyncio.gather(*(asyncio.to_thread(route_to, t) for t in remote)) if a]
