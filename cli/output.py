@@ -22,11 +22,14 @@ NONE = "-"
 
 
 def to_json(value: object) -> str:
-    """One JSON line for a dataclass (or a JSON-able value); datetimes as ISO 8601."""
+    """One JSON line for a dataclass (or a JSON-able value); datetimes as ISO 8601, ranges as
+    lists."""
 
-    def default(obj: object) -> str:
+    def default(obj: object) -> object:
         if isinstance(obj, datetime):
             return obj.isoformat()
+        if isinstance(obj, range):  # ServerInfo.managed_ranks: the ranks, listed
+            return list(obj)
         return str(obj)
 
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

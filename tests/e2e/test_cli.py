@@ -277,6 +277,7 @@ def test_results_are_tables_on_a_terminal_and_json_otherwise(server: ServeProces
     assert fields(table.stdout)["Etag"] == declared["etag"] and "\x1b" not in table.stdout
     info = on_terminal(target, "weights", "info")
     assert fields(info.stdout)["Data parallel"] == "1"
+    assert fields(info.stdout)["Managed ranks"] == "0"  # every rank of its engine: its one
     assert fields(info.stdout)["Incarnation"] == server.serving["incarnation"]
     state = on_terminal(target, "generation", "state")
     assert fields(state.stdout)["Paused"] == "false"

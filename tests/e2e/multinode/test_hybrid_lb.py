@@ -106,6 +106,9 @@ def test_each_nodes_server_manages_its_own_two_ranks_of_the_one_engine(engine: E
     assert [(r.dp_rank, r.local) for r in head.ranks] == [(0, True), (1, True)]
     assert [(r.dp_rank, r.local, r.host) for r in node.ranks] == [(2, True, NODE_HOSTNAME), (3, True, NODE_HOSTNAME)]
     assert head.engine_id == node.engine_id and head.engine_id not in (head.incarnation, node.incarnation)
+    shown = enginectl_cli("--target", engine.node.grpc_target, "-o", "json", "weights", "info", token=engine.token)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["managed_ranks"] == [2, 3]
     (covered,) = engine_coverage(infos)
     assert covered.ok and covered.servers == {
         engine.head.grpc_target: range(0, 2),
