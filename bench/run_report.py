@@ -9,7 +9,7 @@ from bench.fleet_hosts import phase as fleet_hosts
 from bench.fpm import phase as fpm
 from bench.fpm import publish as fpm_publish
 from bench.gateway import phase as gateway
-from bench.lib.stats import ratio
+from bench.lib.stats import ratio, reported_figure
 from bench.multinode import phase as multinode
 from bench.rollouts import phase as rollouts_grpc
 from bench.weights import load_check, tensor_parallel
@@ -35,18 +35,10 @@ def _figure(
     target: float,
     higher_is_better: bool,
 ) -> dict:
-    r = ratio(eng_val, base_val)
+    out = reported_figure(figure, baseline, base_val, eng_val, unit)
+    r = out["ratio"]
     met = None if r is None else (r >= target if higher_is_better else r <= target)
-    return {
-        "figure": figure,
-        "baseline": baseline,
-        "baseline_value": base_val,
-        "enginectl_value": eng_val,
-        "unit": unit,
-        "ratio": r,
-        "target": f"{'>=' if higher_is_better else '<='} {target}",
-        "met": met,
-    }
+    return {**out, "target": f"{'>=' if higher_is_better else '<='} {target}", "met": met}
 
 
 def figures(results: dict) -> list[dict]:
