@@ -159,6 +159,10 @@ class UpdateOperation:
             progress.tensors_done, progress.bytes_done = result.tensors_loaded, result.bytes_loaded
             del progress.workers[:]
             progress.workers.extend(result.workers)
+        ranks = self.metadata.ranks
+        if ranks and len(results) == len(ranks):  # the totals too: what every rank has done
+            self.metadata.tensors_done = min(r.tensors_done for r in ranks)
+            self.metadata.bytes_done = min(r.bytes_done for r in ranks)
         self.touch()
 
     def fail(self, error: ControlPlaneError) -> None:
