@@ -1,15 +1,20 @@
-"""The `enginectl serve` process's children: adopting the orphans of a dying EngineCore and
-reaping every child at shutdown (server/engine.py EngineAdapter.shutdown calls `reap_children`).
+"""The `enginectl serve` process's children: adopting the orphans of a dying EngineCore,
+reaping every child at shutdown (server/engine.py EngineAdapter.shutdown calls `reap_children`)
+and removing the IPC socket files they leave (`engine_ipc_dir`).
 
 Runs in the `enginectl serve` process, off the event loops (shutdown runs in a thread).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 
 import psutil
 import structlog
@@ -17,6 +22,12 @@ import structlog
 log = structlog.get_logger("enginectl.engine")
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+# vLLM puts its ZMQ ipc sockets (frontend <-> EngineCore, EngineCore <-> workers) at
+# `$VLLM_RPC_BASE_PATH/<uuid>`, by default in the temp directory.
+VLLM_IPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
+# A socket's path must fit sockaddr_un.sun_path (108 bytes, NUL included); vLLM adds "/<uuid>".
+_UNIX_PATH_MAX = 107 - len("/00000000-0000-0000-0000-000000000000")
+_own_ipc_dir: str | None = None
 
 
 def adopt_orphans() -> bool:
@@ -29,6 +40,40 @@ def adopt_orphans() -> bool:
         return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
     except (OSError, AttributeError):  # not Linux
         return False
+
+
+@contextlib.contextmanager
+def engine_ipc_dir() -> Iterator[str | None]:
+    """A directory of this process's own (0700) for vLLM's ipc sockets, removed on the way
+    out, once every child is reaped. vLLM's EngineCores and workers leave with os._exit, so
+    their socket files outlived every run in /tmp (7 for an engine of one rank). Yields the
+    directory; None, and nothing changes, when the user set VLLM_RPC_BASE_PATH or the temp
+    directory's path is too long for one more level."""
+    global _own_ipc_dir
+    if os.environ.get(VLLM_IPC_DIR_ENV):
+        yield None
+        return
+    made = tempfile.mkdtemp(prefix="enginectl-ipc-")
+    if len(os.fsencode(made)) > _UNIX_PATH_MAX:
+        os.rmdir(made)
+        yield None
+        return
+    _own_ipc_dir = made
+    os.environ[VLLM_IPC_DIR_ENV] = _own_ipc_dir  # children inherit it
+    try:
+        yield _own_ipc_dir
+    finally:
+        os.environ.pop(VLLM_IPC_DIR_ENV, None)
+        remove_engine_ipc_dir()
+
+
+def remove_engine_ipc_dir() -> None:
+    """Remove `engine_ipc_dir`'s directory, if this process made one (also called by the exit
+    backstop, server/serve.py, which leaves by os._exit after killing every child)."""
+    global _own_ipc_dir
+    if _own_ipc_dir is not None:
+        shutil.rmtree(_own_ipc_dir, ignore_errors=True)
+        _own_ipc_dir = None
 
 
 def reap_children(timeout: float) -> None:

@@ -32,6 +32,7 @@ import structlog
 from enginectl.server.access import check_port_free
 from enginectl.server.config import ServeConfig
 from enginectl.server.cpu_binding import threads_bind_default
+from enginectl.server.engine_processes import adopt_orphans, engine_ipc_dir, remove_engine_ipc_dir
 from enginectl.server.flags import (
     configure_engine_args,
     configure_logging,
@@ -98,6 +99,7 @@ def _start_exit_backstop(exit_code: int) -> None:
             except psutil.Error:
                 pass
         psutil.wait_procs(children, timeout=ENGINE_DEAD_BACKSTOP_MARGIN_S / 2)
+        remove_engine_ipc_dir()
         sys.stdout.flush()
         os._exit(exit_code)
 
@@ -145,7 +147,6 @@ async def serve(args: argparse.Namespace, config: ServeConfig) -> int:
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
 
     from enginectl.server.control_loop import ControlLoop
-    from enginectl.server.engine_processes import adopt_orphans
 
     grpc = config.grpc
     validate_parsed_serve_args(args)
@@ -302,10 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = take_config(args)
     configure_logging(config.log_json)
-    if getattr(args, "headless", False):  # this node's EngineCores only (server/headless.py)
-        from enginectl.server import headless
+    with engine_ipc_dir():  # removed once every child is reaped
+        if getattr(args, "headless", False):  # this node's EngineCores only (server/headless.py)
+            from enginectl.server import headless
 
-        return headless.run(args, config)
-    import uvloop
+            return headless.run(args, config)
+        import uvloop
 
-    return uvloop.run(serve(args, config))
+        return uvloop.run(serve(args, config))

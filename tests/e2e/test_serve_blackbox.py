@@ -12,6 +12,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from support.serving import BIN, ServeProcess, alive
@@ -37,7 +38,8 @@ SIGTERM_EXIT_BOUND_S = 60.0
 def blackbox(serve_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     token_file = tmp_path_factory.mktemp("token") / "token"
     token_file.write_text(TOKEN + "\n")
-    srv = ServeProcess(["--token-file", str(token_file)], serve_env).start().wait_ready()
+    env = {**serve_env, "TMPDIR": str(tmp_path_factory.mktemp("tmp"))}  # what it leaves, last test
+    srv = ServeProcess(["--token-file", str(token_file)], env).start().wait_ready()
     yield srv
     srv.kill()
 
@@ -277,6 +279,11 @@ def test_sigterm_ends_streams_and_exits_zero_leaving_no_child(blackbox: ServePro
     rest, _ = health.communicate(timeout=30)
     assert '"NOT_SERVING"' in rest  # health flipped before the server went away
     assert not alive(children), [p.pid for p in alive(children)]
+    # Nothing left in its temp directory but caches: no socket of vLLM's (server/engine_processes.py
+    # engine_ipc_dir) or of enginectl's own, no enginectl directory.
+    tmp = Path(blackbox.env["TMPDIR"])
+    left = [p for p in tmp.rglob("*") if p.is_socket() or p.name.startswith("enginectl-")]
+    assert not left, left
     events = blackbox.events()
     names = [e.get("event") for e in events]
     assert names.index("shutting down") < names.index("stopped")
