@@ -132,7 +132,20 @@ _instances = itertools.count()
 
 
 class NodeSetupError(RuntimeError):
-    """This host can not make node B: the step that failed and what it said."""
+    """Making node B failed: the step that failed and what it said."""
+
+
+class HostCannotMakeNodes(NodeSetupError):
+    """This host lacks what node B needs (root, the tools): tests skip; any other
+    NodeSetupError is a failure (tests/support/two_node.py)."""
+
+
+def _check_host() -> None:
+    if os.geteuid() != 0:
+        raise HostCannotMakeNodes("network namespaces need root (euid is not 0)")
+    missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise HostCannotMakeNodes(f"missing tools: {', '.join(missing)}")
 
 
 def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
@@ -169,8 +182,7 @@ class Bridge:
         self._made = False
 
     def start(self) -> Bridge:
-        if os.geteuid() != 0:
-            raise NodeSetupError("network namespaces need root (euid is not 0)")
+        _check_host()
         used = _subnet_in_use()
         x = next((x for x in range((os.getpid() * 11) % 256, 256) if x not in used), None)
         x = x if x is not None else next((x for x in range(256) if x not in used), None)
@@ -251,11 +263,7 @@ class TwoNodes:
         self.close()
 
     def _set_up(self) -> None:
-        if os.geteuid() != 0:
-            raise NodeSetupError("network namespaces need root (euid is not 0)")
-        missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
-        if missing:
-            raise NodeSetupError(f"missing tools: {', '.join(missing)}")
+        _check_host()
         if self.bridge is not None:
             self.head_address, self.node_address, prefix = self.bridge.address, self.bridge.next_address(), 24
         else:

@@ -1,6 +1,7 @@
 """Node B for tests (bench/lib/two_node.py is the harness: what is set apart, the host
-interface settings, the clean-up): `two_nodes()` skips a test where the host can not make node
-B, and `shared_root` is a folder both nodes see in pytest's cache."""
+interface settings, the clean-up): `two_nodes()` skips a test only where the host lacks what
+node B needs (root, the tools: HostCannotMakeNodes) and fails it where making node B failed,
+and `shared_root` is a folder both nodes see in pytest's cache."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from bench.lib import harness
 from bench.lib.harness import BIN
-from bench.lib.two_node import NODE_HOSTNAME, Bridge, NodeSetupError, TwoNodes, shared_model
+from bench.lib.two_node import NODE_HOSTNAME, Bridge, HostCannotMakeNodes, NodeSetupError, TwoNodes, shared_model
 
 __all__ = [
     "NODE_HOSTNAME",
@@ -28,15 +29,22 @@ __all__ = [
 ]
 
 
+def _no_nodes(exc: NodeSetupError) -> NoReturn:
+    """Skip where this host lacks what node B needs; fail where making it failed (a host that
+    can make nodes must: a skip there would hide a broken harness)."""
+    if isinstance(exc, HostCannotMakeNodes):
+        pytest.skip(f"no node B on this host: {exc}")
+    pytest.fail(f"node B could not be made: {exc}")
+
+
 @contextlib.contextmanager
 def two_nodes() -> Iterator[TwoNodes]:
-    """`TwoNodes` for a test, skipped (with the step that failed) where the host can not
-    make node B."""
+    """`TwoNodes` for a test (see _no_nodes where it can not be made)."""
     nodes = TwoNodes()
     try:
         nodes.start()
     except NodeSetupError as exc:
-        pytest.skip(f"no node B on this host: {exc}")
+        _no_nodes(exc)
     try:
         yield nodes
     finally:
@@ -47,13 +55,13 @@ def two_nodes() -> Iterator[TwoNodes]:
 def bridged_nodes(*hostnames: str) -> Iterator[tuple[Bridge, list[TwoNodes]]]:
     """A node per host name, all on one bridge with this host (`Bridge.address`, where a
     trainer here listens): the nodes reach each other and this host, as hosts on one switch.
-    Skipped where the host can not make them."""
+    See _no_nodes where they can not be made."""
     with contextlib.ExitStack() as stack:
         try:
             bridge = stack.enter_context(Bridge())
             nodes = [stack.enter_context(TwoNodes(bridge=bridge, hostname=name)) for name in hostnames]
         except NodeSetupError as exc:
-            pytest.skip(f"no bridged nodes on this host: {exc}")
+            _no_nodes(exc)
         yield bridge, nodes
 
 
@@ -89,7 +97,11 @@ class NodeServe(harness.ServeProcess):
 
 def shared_root(config: pytest.Config) -> Path:
     """A folder both nodes read and write at the same path (outside /tmp and /dev/shm):
-    `two-node` in pytest's cache folder (.pytest_cache/d/two-node), kept across sessions."""
-    if config.cache is None:
-        pytest.skip("node B reads its model from pytest's cache folder, and the cache plugin is off")
-    return Path(config.cache.mkdir("two-node"))
+    `two-node` in pytest's cache folder (.pytest_cache/d/two-node), kept across sessions;
+    build/two-node in the repository when the cache plugin is off (-p no:cacheprovider)."""
+    cache = getattr(config, "cache", None)  # absent, not None, with the plugin off
+    if cache is None:
+        folder = config.rootpath / "build" / "two-node"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    return Path(cache.mkdir("two-node"))
