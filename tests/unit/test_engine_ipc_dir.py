@@ -3,6 +3,10 @@ server's own, removed once its children are gone, so a run leaves no socket file
 directory. A real `enginectl serve` is checked in tests/e2e/test_serve_blackbox.py (its last
 test); here a child process stands in for an EngineCore: it binds a real ZMQ ipc socket where
 vLLM would (`$VLLM_RPC_BASE_PATH/<uuid>`) and leaves by os._exit, as vLLM's processes do.
+
+Nothing is faked. monkeypatch only sets the inputs, and puts them back: the temp directory
+(`tempfile.tempdir`, which is what $TMPDIR decides once per process, so setting $TMPDIR here
+would not reach it) and VLLM_RPC_BASE_PATH, which the function reads and sets in this process.
 """
 
 from __future__ import annotations
@@ -59,12 +63,12 @@ def test_the_users_own_base_path_is_left_alone(tmp: Path, monkeypatch: pytest.Mo
     assert [p.name for p in tmp.iterdir()] == ["mine"]
 
 
-def test_a_temp_dir_too_long_for_one_more_level_keeps_vllms_default(tmp: Path) -> None:
+def test_a_temp_dir_too_long_for_one_more_level_keeps_vllms_default(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's socket path is the base + "/<uuid>" and must fit 107 bytes: a base that fits
     alone but not with enginectl's directory added is used as it is."""
     deep = tmp / ("d" * (60 - len(str(tmp))))
     deep.mkdir()
-    tempfile.tempdir = str(deep)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
     assert len(str(deep)) + 37 <= 107 < len(str(deep)) + len("/enginectl-ipc-xxxxxxxx") + 37
     with engine_ipc_dir() as own:
         assert own is None and VLLM_IPC_DIR_ENV not in os.environ
